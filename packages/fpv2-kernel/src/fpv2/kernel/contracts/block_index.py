@@ -89,7 +89,7 @@ class BlockIndex:
                 s = int(seg_of[1:][same & (blocks[1:] <= blocks[:-1])][0])
                 raise ValueError(
                     f"block ids must be strictly ascending within a segment; segment {s} holds "
-                    f"{blocks[off[s]:off[s + 1]].tolist()[:16]}"
+                    f"{blocks[off[s] : off[s + 1]].tolist()[:16]}"
                 )
 
     # ------------------------------------------------------------------ layout
@@ -138,9 +138,7 @@ class BlockIndex:
         if group != self.group:
             raise ValueError(f"block index was packed for GQA group {self.group}, the inputs have group {group}")
         if self.num_requests != batch.num_requests:
-            raise ValueError(
-                f"block index covers {self.num_requests} requests, the batch has {batch.num_requests}"
-            )
+            raise ValueError(f"block index covers {self.num_requests} requests, the batch has {batch.num_requests}")
         expected = expected_tile_offsets(batch, group, self.tile_size)
         if not torch.equal(expected.cpu(), self.tile_offsets.cpu()):
             raise ValueError(

@@ -62,9 +62,7 @@ def validate_prefill_inputs(
     k_cache = check_tensor("k_cache", k_cache, dtypes=ACTIVATION_DTYPES, ndim=4, device=device)
     v_cache = check_tensor("v_cache", v_cache, dtypes=ACTIVATION_DTYPES, ndim=4, device=device)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(
-            f"q, k_cache and v_cache must share one dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
+        raise TypeError(f"q, k_cache and v_cache must share one dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     _, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, head_dim_k = k_cache.shape
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -80,13 +78,13 @@ def validate_prefill_inputs(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
     if q.shape[0] != batch.total_q:
-        raise ValueError(
-            f"q must hold cu_seqlens_q[-1]={batch.total_q} packed queries; got {describe(q)}"
-        )
+        raise ValueError(f"q must hold cu_seqlens_q[-1]={batch.total_q} packed queries; got {describe(q)}")
     is_fp8 = q.dtype == torch.float8_e4m3fn
     for name, scale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if is_fp8 and scale is None:
-            raise ValueError(f"{name} is required for float8_e4m3fn inputs (shape ({batch.num_requests}, {num_kv_heads}))")
+            raise ValueError(
+                f"{name} is required for float8_e4m3fn inputs (shape ({batch.num_requests}, {num_kv_heads}))"
+            )
         if not is_fp8 and scale is not None:
             raise ValueError(f"{name} is only meaningful for float8_e4m3fn inputs; q has dtype {q.dtype}")
         if scale is not None:

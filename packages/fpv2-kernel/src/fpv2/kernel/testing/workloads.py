@@ -97,14 +97,14 @@ def planted_workload(
             heads = slice(h * group, (h + 1) * group)
             q[:, heads] += amp * directions[h]
             if needle and nblocks > 2 and q_len > 0:
-                rows.append(_plant_needle(keys, q, h, group, kv_len, q_len, block_size, amp, head_dim, gen, needle_queries))
+                rows.append(
+                    _plant_needle(keys, q, h, group, kv_len, q_len, block_size, amp, head_dim, gen, needle_queries)
+                )
         k_cache[pages, slots] = keys
         q_parts.append(q)
         planted.append(chosen)
         needles.append(torch.cat(rows) if rows else torch.empty(0, 2, dtype=torch.long))
-    final = PagedPrefillBatch(
-        batch.cu_seqlens_q, batch.seqlens_k, page_table, page_size, num_pages
-    ).to(device)
+    final = PagedPrefillBatch(batch.cu_seqlens_q, batch.seqlens_k, page_table, page_size, num_pages).to(device)
     return PlantedWorkload(
         q=torch.cat(q_parts).to(device=device, dtype=dtype),
         k_cache=k_cache.to(device=device, dtype=dtype),
