@@ -27,7 +27,7 @@ def test_missing_metadata_passes():
 
 class FakeDist:
     version = "0.1.0"
-    requires = ["fpv2-kernel~=0.1", "packaging>=23", "fpv2-index~=0.1; extra == 'x'"]
+    requires = ("fpv2-kernel~=0.1", "packaging>=23", "fpv2-index~=0.1; extra == 'x'")
 
 
 def test_check_siblings_reads_installed_metadata(monkeypatch):
