@@ -43,7 +43,10 @@ def tests(session: nox.Session) -> None:
     if _native_expected():
         # nvcc is here, so the kernel wheel must have built its library: its tests may not skip.
         env["FPV2_REQUIRE_NATIVE"] = "1"
-        session.run("python", "packages/fpv2-kernel/tools/check_symbols.py", "--installed", env=env)
+        library = session.run(
+            "python", "-c", "from fpv2.kernel._native import library_path; print(library_path())", silent=True
+        ).strip()
+        session.run("python", "packages/fpv2-kernel/tools/check_symbols.py", library, env=env)
     session.run(
         "python",
         "-m",

@@ -1,0 +1,44 @@
+// ABI version and build description.
+#include <string>
+
+#include "abi/errors.hpp"
+#include "hopper/toolchain.hpp"
+
+#ifndef FPV2_BUILD_CUDA_ARCHS
+#define FPV2_BUILD_CUDA_ARCHS "unknown"
+#endif
+#ifndef FPV2_BUILD_PACKAGE_VERSION
+#define FPV2_BUILD_PACKAGE_VERSION "unknown"
+#endif
+
+namespace {
+
+std::string make_build_info() {
+  std::string info = "libfpv2_kernel (fpv2-kernel " FPV2_BUILD_PACKAGE_VERSION "), ABI ";
+  info += std::to_string(FPV2_ABI_VERSION_MAJOR) + "." + std::to_string(FPV2_ABI_VERSION_MINOR);
+  info += "; CUDA archs: " FPV2_BUILD_CUDA_ARCHS "; ";
+  info += fpv2::hopper::toolchain_summary();
+  info += "; Hopper attention kernel: not built (this library validates arguments only)";
+  return info;
+}
+
+}  // namespace
+
+extern "C" {
+
+FPV2_API void fpv2_get_abi_version(int32_t* major, int32_t* minor) {
+  if (major != nullptr) *major = FPV2_ABI_VERSION_MAJOR;
+  if (minor != nullptr) *minor = FPV2_ABI_VERSION_MINOR;
+}
+
+FPV2_API const char* fpv2_get_build_info(void) {
+  try {
+    // Built once; function-local statics are initialised thread-safely.
+    static const std::string info = make_build_info();
+    return info.c_str();
+  } catch (...) {
+    return "libfpv2_kernel (build info unavailable)";
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,44 @@
+// Validation of the size-prefixed ABI structs (metadata only: no device memory is read).
+#pragma once
+
+#include <cstdint>
+
+#include "abi/errors.hpp"
+#include "fpv2/fpv2.h"
+
+namespace fpv2::detail {
+
+// A struct pointer is non-NULL and its struct_size covers this library's version of the struct.
+// A larger struct_size (a caller built against a newer minor version) is accepted: the fields
+// this version knows are a prefix of it and the unknown tail is ignored.
+template <class Struct>
+int32_t check_struct(const Struct* p, const char* type_name, const char* role) {
+  if (p == nullptr) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT, format("%s is NULL; expected a pointer to a %s", role, type_name));
+  }
+  if (p->struct_size < sizeof(Struct)) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("%s.struct_size=%u is smaller than this library's %s (%zu bytes, ABI %d.%d); set struct_size "
+                       "= sizeof(%s) from an fpv2.h of ABI major version %d",
+                       type_name, p->struct_size, type_name, sizeof(Struct), FPV2_ABI_VERSION_MAJOR,
+                       FPV2_ABI_VERSION_MINOR, type_name, FPV2_ABI_VERSION_MAJOR));
+  }
+  return FPV2_OK;
+}
+
+// Ceiling division of non-negative values.
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The paged batch on its own.
+int32_t validate_batch(const fpv2_paged_batch_t* batch);
+
+// A block index against an already validated batch.
+int32_t validate_index(const fpv2_block_index_t* index, const fpv2_paged_batch_t& batch);
+
+// A correction plan against an already validated batch.
+int32_t validate_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch_t& batch);
+
+// All prefill arguments: the structs, the tensors and their consistency.
+int32_t validate_prefill_args(const fpv2_prefill_args_t* args);
+
+}  // namespace fpv2::detail

@@ -1,0 +1,207 @@
+/*
+ * fpv2.h -- the stable C ABI of libfpv2_kernel (block-sparse paged prefill attention).
+ *
+ * Pure C (C99), torch-free, callable from any engine or language.
+ *
+ * Stability rules
+ *   - FPV2_ABI_VERSION_MAJOR changes break the ABI; FPV2_ABI_VERSION_MINOR changes only
+ *     append: new functions, new fields at the END of the size-prefixed structs, new flag bits.
+ *   - Every argument struct starts with `uint32_t struct_size`; set it to sizeof(the struct)
+ *     as compiled against your header. A library refuses a struct smaller than its own
+ *     (an older caller of a newer major layout); a larger one (a caller built against a newer
+ *     minor) is accepted and the unknown tail fields are ignored.
+ *   - Only symbols starting with `fpv2_` are exported.
+ *
+ * Conventions
+ *   - Tensors are raw pointers (device memory for the kernel) plus explicit shape, strides
+ *     (in ELEMENTS, not bytes) and a dtype code. Validation reads metadata only: no function
+ *     ever dereferences a tensor's data pointer, so validation works on host or device memory.
+ *   - Every function returning int32_t returns an fpv2_status_t code, never aborts the process,
+ *     and sets the calling thread's last-error message (fpv2_get_last_error): a description
+ *     of the failure, or "" when the call succeeded.
+ */
+#ifndef FPV2_FPV2_H_
+#define FPV2_FPV2_H_
+
+#include <stdint.h>
+
+#define FPV2_ABI_VERSION_MAJOR 1
+#define FPV2_ABI_VERSION_MINOR 0
+
+#if defined(_WIN32)
+#define FPV2_API
+#else
+#define FPV2_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------------
+ * Status codes (int32_t). */
+typedef enum fpv2_status_t {
+  FPV2_OK = 0,
+  FPV2_ERROR_INVALID_ARGUMENT = 1,   /* malformed or inconsistent arguments */
+  FPV2_ERROR_UNSUPPORTED = 2,        /* well-formed, but a configuration this library does not handle */
+  FPV2_ERROR_NOT_BUILT = 3,          /* the requested kernel is not part of this build */
+  FPV2_ERROR_CUDA = 4,               /* a CUDA runtime/driver call failed */
+  FPV2_ERROR_WORKSPACE_TOO_SMALL = 5,/* workspace_bytes below what the call needs */
+  FPV2_ERROR_INTERNAL = 6            /* a bug or an exhausted host resource */
+} fpv2_status_t;
+
+/* ------------------------------------------------------------------------------------------------
+ * Element types (int32_t codes). */
+typedef enum fpv2_dtype_t {
+  FPV2_DTYPE_INVALID = 0,
+  FPV2_DTYPE_F16 = 1,
+  FPV2_DTYPE_BF16 = 2,
+  FPV2_DTYPE_F32 = 3,
+  FPV2_DTYPE_E4M3 = 4, /* float8_e4m3fn */
+  FPV2_DTYPE_I32 = 5,
+  FPV2_DTYPE_I64 = 6
+} fpv2_dtype_t;
+
+/* Highest tensor rank an fpv2_tensor_t describes. */
+#define FPV2_MAX_NDIM 4
+
+/* A strided tensor view. Strides count elements. An OPTIONAL tensor is absent when
+ * data == NULL and ndim == 0 (all-zero struct). A required tensor with zero elements may
+ * have data == NULL. */
+typedef struct fpv2_tensor_t {
+  const void* data;
+  int32_t dtype; /* fpv2_dtype_t */
+  int32_t ndim;  /* 0..FPV2_MAX_NDIM */
+  int64_t shape[FPV2_MAX_NDIM];
+  int64_t strides[FPV2_MAX_NDIM];
+} fpv2_tensor_t;
+
+/* ------------------------------------------------------------------------------------------------
+ * Paged prefill batch (mirrors fpv2.kernel.contracts.PagedPrefillBatch).
+ *
+ * Request b owns queries cu_seqlens_q[b]..cu_seqlens_q[b+1] of the packed query tensor and
+ * seqlens_k[b] keys (cached prefix included); token i lives at
+ * (page_table[b][i / page_size], i % page_size) of the cache. Causal alignment is
+ * bottom-right: query i sits at absolute position seqlens_k[b] - q_len_b + i.
+ * The host-side scalars (total_q, max_seqlen_*) let the library check shapes without
+ * reading device memory. */
+typedef struct fpv2_paged_batch_t {
+  uint32_t struct_size;       /* sizeof(fpv2_paged_batch_t) */
+  int32_t num_requests;       /* B >= 1 */
+  fpv2_tensor_t cu_seqlens_q; /* (B+1,) I32, contiguous */
+  fpv2_tensor_t seqlens_k;    /* (B,) I32, contiguous */
+  fpv2_tensor_t page_table;   /* (B, max_pages) I32; row stride free, page stride 1 */
+  int32_t page_size;          /* tokens per page, > 0 */
+  int32_t num_pages;          /* pages in the KV cache, > 0 */
+  int64_t total_q;            /* cu_seqlens_q[B] */
+  int32_t max_seqlen_q;       /* max_b q_len_b */
+  int32_t max_seqlen_k;       /* max_b seqlens_k[b] */
+} fpv2_paged_batch_t;
+
+/* ------------------------------------------------------------------------------------------------
+ * Block index in CSR form (mirrors fpv2.kernel.contracts.BlockIndex).
+ *
+ * Segment order: request, then KV head, then query tile. Segment
+ * s = num_kv_heads * tile_offsets[b] + h * ntiles_b + t keeps the strictly ascending block
+ * ids blocks[offsets[s] .. offsets[s+1]), in units of block_size KV tokens. A query tile is
+ * tile_size consecutive PackGQA rows (row r = position r / group of query head
+ * h * group + r % group); it must equal the kernel's tile (FPV2_KERNEL_TILE_SIZE). */
+#define FPV2_KERNEL_TILE_SIZE 128
+
+typedef struct fpv2_block_index_t {
+  uint32_t struct_size; /* sizeof(fpv2_block_index_t) */
+  int32_t num_kv_heads; /* Hkv */
+  int32_t group;        /* Hq / Hkv the tiles were packed with */
+  int32_t tile_size;    /* packed rows per query tile; must be FPV2_KERNEL_TILE_SIZE */
+  int32_t block_size;   /* KV tokens per block, a power of two */
+  fpv2_tensor_t offsets;      /* (S+1,) I32, contiguous */
+  fpv2_tensor_t blocks;       /* (nnz,) I32, contiguous */
+  fpv2_tensor_t tile_offsets; /* (B+1,) I32, contiguous: cumulative tiles per request */
+  int64_t num_segments;       /* S */
+} fpv2_block_index_t;
+
+/* ------------------------------------------------------------------------------------------------
+ * Mean-correction plan (mirrors fpv2.kernel.contracts.CorrectionPlan and BlockStatistics).
+ *
+ * Block J of request b is row block_offsets[b] + J of the pooled tensors. A pruned block J of
+ * a segment is corrected when it is fully visible to the tile's first row; the eligible range
+ * is walked in chunks of chunk_size (= 64) blocks. When todo_offsets/todo_masks are given,
+ * bit i of word w of segment s (todo_masks[todo_offsets[s] + w]) marks block w * 64 + i; when
+ * absent the kernel derives the same bits from the block index. */
+#define FPV2_CORRECTION_CHUNK 64
+
+typedef struct fpv2_correction_plan_t {
+  uint32_t struct_size; /* sizeof(fpv2_correction_plan_t) */
+  int32_t chunk_size;   /* must be FPV2_CORRECTION_CHUNK */
+  int32_t block_size;   /* must equal the block index's block_size */
+  fpv2_tensor_t pooled_k;      /* (total_blocks, Hkv, d) F32, contiguous */
+  fpv2_tensor_t pooled_v;      /* (total_blocks, Hkv, d) F32, contiguous */
+  fpv2_tensor_t block_lengths; /* (total_blocks,) I32, contiguous */
+  fpv2_tensor_t block_offsets; /* (B+1,) I32, contiguous */
+  fpv2_tensor_t todo_offsets;  /* optional, (S+1,) I32, contiguous */
+  fpv2_tensor_t todo_masks;    /* optional, (num_words,) I64, contiguous */
+} fpv2_correction_plan_t;
+
+/* ------------------------------------------------------------------------------------------------
+ * Arguments of one prefill call. */
+
+/* Causal (bottom-right aligned) attention. Required: only causal prefill exists. */
+#define FPV2_PREFILL_CAUSAL 1u
+
+typedef struct fpv2_prefill_args_t {
+  uint32_t struct_size; /* sizeof(fpv2_prefill_args_t) */
+  uint32_t flags;       /* FPV2_PREFILL_* bits; FPV2_PREFILL_CAUSAL must be set */
+  fpv2_tensor_t q;       /* (total_q, Hq, d) F16 | BF16 | E4M3, inner stride 1 */
+  fpv2_tensor_t k_cache; /* (num_pages, page_size, Hkv, d), q's dtype, inner stride 1 */
+  fpv2_tensor_t v_cache; /* like k_cache */
+  fpv2_tensor_t out;     /* (total_q, Hq, d), q's dtype (BF16 for E4M3 inputs), inner stride 1 */
+  fpv2_tensor_t lse;     /* optional, (total_q, Hq) F32, inner stride 1 */
+  const fpv2_paged_batch_t* batch;           /* required */
+  const fpv2_block_index_t* index;           /* NULL: dense causal attention */
+  const fpv2_correction_plan_t* correction;  /* NULL: no mean correction (needs an index) */
+  fpv2_tensor_t q_descale; /* (B, Hkv) F32, contiguous: required iff q/k/v are E4M3, else absent */
+  fpv2_tensor_t k_descale;
+  fpv2_tensor_t v_descale;
+  float softmax_scale;      /* 0 selects 1/sqrt(d) */
+  int32_t device;           /* CUDA device ordinal of the tensors, or -1 for the current device */
+  void* stream;             /* cudaStream_t; NULL is the default stream */
+  void* workspace;          /* caller-provided device scratch memory (may be NULL if 0 bytes) */
+  uint64_t workspace_bytes; /* size of workspace */
+} fpv2_prefill_args_t;
+
+/* ------------------------------------------------------------------------------------------------
+ * Functions. */
+
+/* The ABI version this library implements. Either pointer may be NULL. */
+FPV2_API void fpv2_get_abi_version(int32_t* major, int32_t* minor);
+
+/* A static, human-readable description of the build (compiler, CUDA archs, CUTLASS version,
+ * which kernels are present). */
+FPV2_API const char* fpv2_get_build_info(void);
+
+/* A static name and description of a status code ("unknown status" for unknown codes). */
+FPV2_API const char* fpv2_status_string(int32_t status);
+
+/* The message of the last status-returning fpv2_ call on THIS thread: "" if it succeeded.
+ * The pointer stays valid until the next fpv2_ call on this thread. Query functions
+ * (version, build info, status string, availability) leave it unchanged. */
+FPV2_API const char* fpv2_get_last_error(void);
+
+/* Metadata checks (no device memory is read). */
+FPV2_API int32_t fpv2_validate_paged_batch(const fpv2_paged_batch_t* batch);
+FPV2_API int32_t fpv2_validate_block_index(const fpv2_block_index_t* index, const fpv2_paged_batch_t* batch);
+FPV2_API int32_t fpv2_validate_correction_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch_t* batch);
+FPV2_API int32_t fpv2_validate_prefill(const fpv2_prefill_args_t* args);
+
+/* 1 if this build contains the Hopper (sm_90a) attention kernel, else 0. */
+FPV2_API int32_t fpv2_hopper_kernel_available(void);
+
+/* Block-sparse (or dense) causal paged prefill. Validates args first; returns
+ * FPV2_ERROR_NOT_BUILT when the kernel is not part of this build. */
+FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FPV2_FPV2_H_ */

@@ -1,0 +1,194 @@
+"""Python entry points over the C ABI: status handling, validation and the Hopper prefill."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..contracts import BlockIndex, CorrectionPlan, PagedPrefillBatch
+from .codes import Status
+from .errors import HopperKernelNotBuiltError, NativeError, NativeLibraryError, UnsupportedConfigurationError
+from .library import load_native_library, native_status
+from .structs import prefill_args_struct
+
+#: Exception class per status code; codes not listed raise :class:`NativeError`.
+_EXCEPTIONS: dict[int, type[Exception]] = {
+    Status.INVALID_ARGUMENT: ValueError,
+    Status.UNSUPPORTED: UnsupportedConfigurationError,
+    Status.NOT_BUILT: HopperKernelNotBuiltError,
+}
+
+
+def _status_name(code: int) -> str:
+    try:
+        return Status(code).name
+    except ValueError:
+        return f"unknown status {code}"
+
+
+def check_status(code: int, message: str | None = None) -> None:
+    """Raise the Python exception matching a status code, carrying the library's message.
+
+    Call it right after the ``fpv2_`` call, on the same thread: the message is the
+    thread's last error of the library.
+
+    Args:
+        code: the returned ``fpv2_status_t``.
+        message: the message to raise with; None reads ``fpv2_get_last_error()``.
+
+    Raises:
+        ValueError: ``FPV2_ERROR_INVALID_ARGUMENT``.
+        UnsupportedConfigurationError: ``FPV2_ERROR_UNSUPPORTED`` (a ValueError).
+        HopperKernelNotBuiltError: ``FPV2_ERROR_NOT_BUILT``.
+        NativeError: any other non-zero code (CUDA, workspace, internal, unknown).
+    """
+    if code == Status.OK:
+        return
+    if message is None:
+        try:
+            lib = load_native_library()
+            message = lib.fpv2_get_last_error().decode() or lib.fpv2_status_string(code).decode()
+        except NativeLibraryError:
+            message = ""
+    message = message or f"libfpv2_kernel returned {_status_name(code)}"
+    cls = _EXCEPTIONS.get(code)
+    if cls is None:
+        raise NativeError(message, int(code))
+    exc = cls(message)
+    exc.status = int(code)  # type: ignore[attr-defined]
+    raise exc
+
+
+def validate_prefill_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    batch: PagedPrefillBatch,
+    *,
+    index: BlockIndex | None = None,
+    plan: CorrectionPlan | None = None,
+    lse: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    softmax_scale: float = 0.0,
+) -> None:
+    """Check one prefill call's arguments with the library's validator (metadata only, no sync).
+
+    Args:
+        q, k_cache, v_cache, out, batch, index, plan, lse, q_descale, k_descale, v_descale,
+            softmax_scale: as for :func:`hopper_prefill`.
+
+    Raises:
+        ValueError: malformed or inconsistent arguments (the message names the field).
+        UnsupportedConfigurationError: a configuration the kernel does not handle.
+        NativeLibraryError: the library is not available.
+    """
+    lib = load_native_library()
+    args = prefill_args_struct(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        batch,
+        index=index,
+        plan=plan,
+        lse=lse,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        softmax_scale=softmax_scale,
+    )
+    check_status(lib.fpv2_validate_prefill(ctypes.byref(args)))
+
+
+def hopper_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    batch: PagedPrefillBatch,
+    *,
+    index: BlockIndex | None = None,
+    plan: CorrectionPlan | None = None,
+    lse: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    softmax_scale: float = 0.0,
+    stream: object = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal (block-sparse) paged prefill with the Hopper kernel of ``libfpv2_kernel``.
+
+    Tensors must live on the CUDA device of ``q``. This version of the library
+    contains no attention kernel: after validating the arguments it reports
+    ``FPV2_ERROR_NOT_BUILT``, raised here as :class:`HopperKernelNotBuiltError`.
+
+    Args:
+        q: ``(total_q, Hq, d)`` packed queries (f16, bf16 or float8_e4m3fn).
+        k_cache, v_cache: ``(num_pages, page_size, Hkv, d)`` paged cache in q's dtype.
+        out: ``(total_q, Hq, d)`` output, written in place (bf16 for FP8 inputs).
+        batch: the batch metadata.
+        index: kept blocks per tile; None for dense causal attention.
+        plan: the mean-correction plan (needs ``index``); None for none.
+        lse: optional ``(total_q, Hq) float32`` log-sum-exp output.
+        q_descale, k_descale, v_descale: ``(B, Hkv) float32``, required for FP8 inputs.
+        softmax_scale: score scale; 0 selects ``1/sqrt(d)``.
+        stream: CUDA stream; None uses q's current stream.
+        workspace: optional device scratch memory.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        HopperKernelNotBuiltError: the kernel is not part of the loaded library.
+        ValueError, UnsupportedConfigurationError: invalid or unsupported arguments.
+        NativeError: a CUDA or internal failure.
+        NativeLibraryError: the library is not available.
+    """
+    lib = load_native_library()
+    args = prefill_args_struct(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        batch,
+        index=index,
+        plan=plan,
+        lse=lse,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        softmax_scale=softmax_scale,
+        stream=stream,
+        workspace=workspace,
+    )
+    check_status(lib.fpv2_prefill(ctypes.byref(args)))
+    return out
+
+
+def hopper_available() -> tuple[bool, str]:
+    """Whether :func:`hopper_prefill` can run here, and why not.
+
+    Returns:
+        ``(True, description)`` when the library has the kernel and an sm_90 GPU is
+        visible, else ``(False, reason)``.
+    """
+    ok, reason = native_status()
+    if not ok:
+        return False, reason
+    lib = load_native_library()
+    if not lib.fpv2_hopper_kernel_available():
+        return False, (
+            "the Hopper attention kernel is not part of this build of libfpv2_kernel "
+            f"({lib.fpv2_get_build_info().decode()}); use the reference or portable backend"
+        )
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible to torch"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return False, f"the Hopper kernel needs an sm_90 GPU; the current device is sm_{major}{minor}"
+    return True, reason

@@ -1,0 +1,307 @@
+"""Python entry point of the Triton kernel: input checks, per-program metadata, launch.
+
+The grid has one program per segment (request, KV head, query tile) of the
+block index, in the index's segment order. Each program finds its request in a
+small ``(S,) int32`` table built on the device with ``torch.searchsorted`` over
+the cumulative tile counts (no host sync for it); its KV head, tile, prefix and
+lengths it derives itself from the batch metadata. The grid size ``S`` is a
+host value: it comes from the index's shape, or in dense mode from the batch's
+cached host view. Programs run in segment order; ordering them heaviest first
+(by kept-block count) is left to a later scheduler.
+
+Host syncs per call: the input validation reads the batch's small index arrays
+once (cached on the batch), ``BlockIndex.check_compatible`` reads the index,
+and a correction plan's ``block_offsets`` are checked on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..contracts import (
+    BLOCK_SIZE,
+    CORRECTION_CHUNK,
+    TILE_SIZE,
+    BlockIndex,
+    CorrectionPlan,
+    PagedPrefillBatch,
+    PrefillShapes,
+    num_key_blocks,
+    num_query_tiles,
+    validate_prefill_inputs,
+)
+from ..contracts._checks import check_last_dim_contiguous, check_shape, check_tensor, describe
+from .interpreter_compat import install_interpreter_index_fix
+from .sparse_attention import DOT_FP16, DOT_FP32, DOT_NATIVE, sparse_prefill_kernel
+from .tuning import launch_config
+
+#: Packed query rows per program: the kernel's query tile, which must equal the index tile size.
+BLOCK_M = TILE_SIZE
+#: ``log2(e)``: logits are scaled into log2 units once, so the kernel uses ``exp2``.
+LOG2E = 1.4426950408889634
+#: FP8 probabilities are ``2^(s - m + P_SHIFT_FP8)``: [0, 1] mapped onto [0, 256] before the e4m3 cast.
+P_SHIFT_FP8 = 8.0
+
+
+def is_interpreted() -> bool:
+    """Whether the kernel was built for the Triton interpreter (``TRITON_INTERPRET=1`` at import).
+
+    Returns:
+        True when the kernel runs on the CPU through the interpreter.
+    """
+    return isinstance(sparse_prefill_kernel, InterpretedFunction)
+
+
+def sparse_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    index: BlockIndex | None = None,
+    *,
+    plan: CorrectionPlan | None = None,
+    softmax_scale: float | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse (or dense) causal prefill attention over a paged KV cache, in Triton.
+
+    Same semantics as :func:`fpv2.kernel.reference.sparse.sparse_attention`: every
+    (request, KV head, tile) segment's PackGQA rows attend exactly to the tokens of
+    its kept blocks (bottom-right causal mask inside the diagonal band), and with a
+    ``plan`` every eligible pruned block adds its pooled key/value with logit
+    ``q . kbar * scale + log |B_J|``. Works for every page size (1 included).
+
+    FP8 (``float8_e4m3fn``) inputs: the logit scale absorbs ``q_descale * k_descale``
+    of the tile's (request, KV head), probabilities are ``2^(s - m + 8)`` rounded to
+    e4m3 for the PV product (fp8 tensor cores on sm89+; on older GPUs the e4m3 values
+    are widened to fp16; under the interpreter to fp32, with the same rounding of P),
+    and the output is multiplied by ``v_descale`` and written in bf16.
+
+    Args:
+        q: ``(total_q, Hq, d)`` packed queries (fp16, bf16, e4m3, or fp32 for tests).
+        k_cache, v_cache: ``(num_pages, page_size, Hkv, d)`` paged cache, same dtype as ``q``.
+        batch: the batch metadata (query offsets, KV lengths, page table).
+        index: kept blocks per segment; ``None`` is dense mode (every causally visible
+            block, no CSR needed).
+        plan: mean correction for pruned blocks (needs ``index``); todo words from
+            ``plan.todo_masks`` when present, else derived from the index in the kernel.
+        softmax_scale: logit scale, ``1 / sqrt(d)`` by default.
+        q_descale, k_descale, v_descale: ``(B, Hkv) float32`` descales, required for
+            (and only for) FP8 inputs.
+        out: optional ``(total_q, Hq, d)`` output buffer (input dtype; bf16 for FP8).
+        return_lse: also return the natural-log log-sum-exp of each row.
+
+    Returns:
+        ``out`` (total_q, Hq, d); with ``return_lse`` also ``lse (total_q, Hq) float32``.
+        A row that sees no key at all gets 0 and lse ``-inf``.
+
+    Raises:
+        TypeError: wrong argument types or dtypes.
+        ValueError: inconsistent shapes or devices, an index or plan built for another
+            batch, group, tile size or block size, a plan without an index, or CPU
+            tensors without the Triton interpreter.
+    """
+    shapes = validate_prefill_inputs(q, k_cache, v_cache, batch, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    interpreted = is_interpreted()
+    if q.device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run on "
+            f"the CPU; q has {describe(q)}"
+        )
+    if interpreted:
+        install_interpreter_index_fix()
+    group = shapes.group
+    if index is not None:
+        _check_index(index, batch, shapes, q.device)
+    block_size = index.block_size if index is not None else BLOCK_SIZE
+    if plan is not None:
+        if index is None:
+            raise ValueError(
+                "plan was given without an index: dense mode keeps every block, so there is nothing to correct; "
+                "pass the block index the plan was built for"
+            )
+        _check_plan(plan, index, batch, shapes, q.device)
+    scale = _resolve_scale(softmax_scale, shapes.head_dim)
+    config = launch_config(shapes.head_dim, block_size)
+
+    out_dtype = torch.bfloat16 if shapes.is_fp8 else q.dtype
+    expected_out = (q.shape[0], shapes.num_q_heads, shapes.head_dim)
+    if out is None:
+        out = torch.empty(expected_out, dtype=out_dtype, device=q.device)
+    else:
+        check_tensor("out", out, dtypes=(out_dtype,), ndim=3, device=q.device)
+        check_shape("out", out, expected_out)
+        check_last_dim_contiguous("out", out)
+    lse = torch.empty(q.shape[0], shapes.num_q_heads, dtype=torch.float32, device=q.device) if return_lse else None
+
+    # Per-program metadata: request of each segment, from the cumulative tile counts (device only).
+    if index is not None:
+        tile_offsets = index.tile_offsets
+        num_segments = index.num_segments
+    else:
+        tiles = (batch.q_lens * group + BLOCK_M - 1) // BLOCK_M
+        tile_offsets = torch.zeros(batch.num_requests + 1, dtype=torch.int32, device=q.device)
+        tile_offsets[1:] = tiles.cumsum(0)
+        num_segments = shapes.num_kv_heads * sum(num_query_tiles(n, group, BLOCK_M) for n in batch.host.q_lens)
+    if num_segments == 0:
+        return (out, lse) if return_lse else out
+    segment_ends = tile_offsets[1:] * shapes.num_kv_heads
+    seg_request = torch.searchsorted(
+        segment_ends, torch.arange(num_segments, dtype=torch.int32, device=q.device), right=True, out_int32=True
+    )
+
+    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=q.device)
+    dummy_f32 = torch.zeros(1, dtype=torch.float32, device=q.device)
+    dummy_i64 = torch.zeros(1, dtype=torch.int64, device=q.device)
+    stats = plan.statistics if plan is not None else None
+    has_todo = plan is not None and plan.todo_masks is not None
+
+    if shapes.dtype == torch.float32:
+        dot_kind = DOT_FP32
+    elif interpreted:
+        # The interpreter's bf16 dot is broken: widen bf16/e4m3 operands (already rounded) to fp32.
+        dot_kind = DOT_NATIVE if shapes.dtype == torch.float16 else DOT_FP32
+    elif shapes.is_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
+        dot_kind = DOT_FP16
+    else:
+        dot_kind = DOT_NATIVE
+
+    sparse_prefill_kernel[(num_segments,)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lse if lse is not None else dummy_f32,
+        batch.cu_seqlens_q,
+        batch.seqlens_k,
+        batch.page_table,
+        seg_request,
+        tile_offsets,
+        index.offsets if index is not None else dummy_i32,
+        index.blocks if index is not None and index.nnz > 0 else dummy_i32,
+        q_descale.contiguous() if q_descale is not None else dummy_f32,
+        k_descale.contiguous() if k_descale is not None else dummy_f32,
+        v_descale.contiguous() if v_descale is not None else dummy_f32,
+        stats.pooled_k if stats is not None else dummy_f32,
+        stats.pooled_v if stats is not None else dummy_f32,
+        stats.block_lengths if stats is not None else dummy_i32,
+        stats.block_offsets if stats is not None else dummy_i32,
+        plan.todo_offsets if has_todo else dummy_i32,
+        plan.todo_masks if has_todo else dummy_i64,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        lse.stride(1) if lse is not None else 0,
+        batch.page_table.stride(0),
+        stats.pooled_k.stride(0) if stats is not None else 0,
+        stats.pooled_k.stride(1) if stats is not None else 0,
+        stats.pooled_v.stride(0) if stats is not None else 0,
+        stats.pooled_v.stride(1) if stats is not None else 0,
+        NUM_KV_HEADS=shapes.num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=shapes.head_dim,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=config.block_n,
+        BLOCK_SIZE=block_size,
+        PAGE_SIZE=batch.page_size,
+        BAND=_band(block_size),
+        CHUNK=CORRECTION_CHUNK,
+        DENSE=index is None,
+        CORRECTION=plan is not None,
+        HAS_TODO=has_todo,
+        FP8=shapes.is_fp8,
+        P_SHIFT=P_SHIFT_FP8 if shapes.is_fp8 else 0.0,
+        DOT_KIND=dot_kind,
+        CORR_IEEE=interpreted or shapes.dtype == torch.float32,
+        WRITE_LSE=return_lse,
+        PIPE_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _band(block_size: int) -> int:
+    """Most kept blocks a tile can have in its diagonal band, rounded up to a power of two.
+
+    The tile's rows span at most ``BLOCK_M`` consecutive positions, so the blocks not
+    wholly visible to its first row number at most ``ceil(BLOCK_M / block_size) + 1``.
+    """
+    band = -(-BLOCK_M // block_size) + 1
+    return 1 << (band - 1).bit_length()
+
+
+def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """``1 / sqrt(d)`` unless a finite positive scale is given (TypeError/ValueError otherwise)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be finite and positive; got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_index(index: BlockIndex, batch: PagedPrefillBatch, shapes: PrefillShapes, device: torch.device) -> None:
+    """The index must be a BlockIndex for this batch, group, head count and the kernel's tile size."""
+    if not isinstance(index, BlockIndex):
+        raise TypeError(f"index must be a BlockIndex or None; got {type(index).__name__}")
+    if index.offsets.device != device:
+        raise ValueError(f"index must be on {device} like q; its offsets have {describe(index.offsets)}")
+    if index.num_kv_heads != shapes.num_kv_heads:
+        raise ValueError(
+            f"block index has num_kv_heads={index.num_kv_heads}, k_cache has Hkv={shapes.num_kv_heads}"
+        )
+    # The kernel's query tile is BLOCK_M packed rows: an index built for other tiles is refused.
+    index.check_compatible(batch, shapes.group, tile_size=BLOCK_M)
+
+
+def _check_plan(
+    plan: CorrectionPlan, index: BlockIndex, batch: PagedPrefillBatch, shapes: PrefillShapes, device: torch.device
+) -> None:
+    """The plan's statistics and todo words must fit the index, the batch and the cache (one small host sync)."""
+    if not isinstance(plan, CorrectionPlan):
+        raise TypeError(f"plan must be a CorrectionPlan or None; got {type(plan).__name__}")
+    stats = plan.statistics
+    if stats.pooled_k.device != device:
+        raise ValueError(f"plan statistics must be on {device} like q; pooled_k has {describe(stats.pooled_k)}")
+    if stats.block_size != index.block_size:
+        raise ValueError(f"plan statistics use block_size={stats.block_size}, the index block_size={index.block_size}")
+    expected = (shapes.num_kv_heads, shapes.head_dim)
+    if tuple(stats.pooled_k.shape[1:]) != expected:
+        raise ValueError(f"plan statistics pooled_k must have shape (*, {expected[0]}, {expected[1]}); got {describe(stats.pooled_k)}")
+    check_last_dim_contiguous("pooled_k", stats.pooled_k)
+    check_last_dim_contiguous("pooled_v", stats.pooled_v)
+    if stats.block_offsets.numel() != batch.num_requests + 1:
+        raise ValueError(
+            f"plan statistics block_offsets must have B+1 = {batch.num_requests + 1} entries; got "
+            f"{describe(stats.block_offsets)}"
+        )
+    offsets = stats.block_offsets.cpu().tolist()
+    counts = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    needed = [num_key_blocks(k, index.block_size) for k in batch.host.seqlens_k]
+    if counts != needed or offsets[0] != 0 or offsets[-1] != stats.pooled_k.shape[0]:
+        raise ValueError(
+            f"plan statistics hold {counts[:8]} blocks per request (block_offsets {offsets[:9]}, pooled_k rows "
+            f"{stats.pooled_k.shape[0]}); the batch needs {needed[:8]}"
+        )
+    if plan.todo_offsets is not None:
+        check_shape("todo_offsets", plan.todo_offsets, (index.num_segments + 1,))
+        if not (plan.todo_offsets.is_contiguous() and plan.todo_masks.is_contiguous()):
+            raise ValueError("todo_offsets and todo_masks must be contiguous")

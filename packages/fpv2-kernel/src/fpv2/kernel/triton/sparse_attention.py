@@ -1,0 +1,378 @@
+"""The portable block-sparse prefill attention kernel, written in Triton.
+
+One program handles one segment (request ``b``, KV head ``h``, query tile ``t``)
+of the block index: the tile's ``BLOCK_M`` PackGQA rows (packed row ``r`` is
+query position ``r // g`` of query head ``h * g + r % g``) attend to the kept key
+blocks of the segment, read straight out of the paged KV cache through the
+page table. The program runs three phases over one online-softmax state:
+
+1. kept blocks wholly visible to every row of the tile, without any mask
+   (the bulk of the work, software-pipelined);
+2. kept blocks of the diagonal band (at most ``BAND`` of them), with the
+   bottom-right causal mask and the KV tail mask;
+3. with a correction plan, the pruned eligible blocks in chunks of ``CHUNK``
+   pooled vectors: one extra QK/softmax/PV step per chunk whose todo word is
+   not zero, each todo column weighted by its block length (``+ log2 |B_J|``).
+
+Logits are kept in log2 units: the softmax scale is multiplied by ``log2(e)``
+on the host and every exponential is an ``exp2``. FP8 probabilities are
+computed as ``2^(s - m + 8)`` so they fill e4m3's range; the shift cancels in
+the normalisation and is removed from the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: ``DOT_KIND`` values: how operands reach ``tl.dot``.
+#: Native: fp16/bf16 operands, or e4m3 operands on GPUs with fp8 tensor cores (sm89+).
+DOT_NATIVE = 0
+#: Operands widened to fp32 with IEEE products: fp32 inputs, and bf16/fp8 under the
+#: Triton interpreter (whose bf16 dot is broken). Values are rounded to the input
+#: dtype first, so the numerics match the native path up to accumulation order.
+DOT_FP32 = 1
+#: e4m3 operands widened to fp16 (exact) on GPUs without fp8 dots.
+DOT_FP16 = 2
+
+
+@triton.jit
+def _attend_subtile(
+    q,
+    q_abs,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    k_head,
+    v_head,
+    pt_row,
+    kstart,
+    kv_len,
+    stride_kp,
+    stride_ks,
+    stride_vp,
+    stride_vs,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    P_SHIFT: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+):
+    """One online-softmax step of the tile's rows over the ``BLOCK_N`` keys starting at ``kstart``.
+
+    Keys and values are gathered through the page table: token ``pos`` lives at
+    ``(page_table[b, pos // PAGE_SIZE], pos % PAGE_SIZE)``. When a page holds a whole
+    sub-tile the page id is one scalar load; otherwise (page size 1, 16, ...) every row
+    looks up its own page. ``MASKED`` sub-tiles (the diagonal band) get the causal mask
+    and may run past the request's KV: those rows are never read. Logits are in log2
+    units; ``DOT_KIND`` says how operands reach ``tl.dot``. (Loads and products are
+    written out in one helper: every nested call costs the interpreter milliseconds.)
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kpos = kstart + offs_n
+    in_kv = kpos < kv_len
+    if PAGE_SIZE % BLOCK_N == 0:
+        # kstart is a multiple of BLOCK_N, so the sub-tile sits in one page (whose first
+        # token kstart is real: masked sub-tiles are only visited when kstart < kv_len).
+        page = tl.load(pt_row + kstart // PAGE_SIZE).to(tl.int64)
+        slot = kstart % PAGE_SIZE + offs_n
+    else:
+        if MASKED:
+            page = tl.load(pt_row + kpos // PAGE_SIZE, mask=in_kv, other=0).to(tl.int64)
+        else:
+            page = tl.load(pt_row + kpos // PAGE_SIZE).to(tl.int64)
+        slot = kpos % PAGE_SIZE
+    k_ptrs = k_head + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :]
+    v_ptrs = v_head + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=in_kv[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=in_kv[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+
+    if DOT_KIND == 1:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif DOT_KIND == 2:
+        s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if MASKED:
+        # Bottom-right causal: the row at absolute position q_abs sees keys 0 .. q_abs. Keys
+        # past the KV tail are past every real row's position, so this masks them too.
+        s = tl.where(kpos[None, :] <= q_abs[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may not see any key yet: shift by 0 instead of -inf to avoid inf - inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None] + P_SHIFT)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P is rounded to V's dtype (e4m3 for FP8, after the 2^8 shift) before the PV product.
+    p_op = p.to(v.dtype)
+    if DOT_KIND == 1:
+        pv = tl.dot(p_op.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    elif DOT_KIND == 2:
+        pv = tl.dot(p_op.to(tl.float16), v.to(tl.float16))
+    else:
+        pv = tl.dot(p_op, v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _correct_chunk(
+    q_f32,
+    kbar,
+    vbar,
+    log2_len,
+    todo,
+    m_i,
+    l_i,
+    acc,
+    corr_scale,
+    P_SHIFT: tl.constexpr,
+    CORR_IEEE: tl.constexpr,
+):
+    """One online-softmax step over a chunk of pooled blocks (fp32 operands).
+
+    Column ``J`` stands for the ``|B_J|`` pruned tokens of its block: logit
+    ``q . kbar_J * scale + log2 |B_J|`` (log2 units) and value ``vbar_J``; columns
+    that are not todo get ``-inf``. The caller only runs chunks with a todo bit set,
+    so every row gets a finite maximum.
+    """
+    if CORR_IEEE:
+        s = tl.dot(q_f32, tl.trans(kbar), input_precision="ieee")
+    else:
+        s = tl.dot(q_f32, tl.trans(kbar))
+    s = tl.where(todo[None, :], s * corr_scale + log2_len[None, :], float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None] + P_SHIFT)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if CORR_IEEE:
+        pv = tl.dot(p, vbar, input_precision="ieee")
+    else:
+        pv = tl.dot(p, vbar)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def sparse_prefill_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    CuSeqlensQ,
+    SeqlensK,
+    PageTable,
+    SegRequest,
+    TileOffsets,
+    IdxOffsets,
+    IdxBlocks,
+    QDescale,
+    KDescale,
+    VDescale,
+    PooledK,
+    PooledV,
+    BlockLengths,
+    BlockOffsets,
+    TodoOffsets,
+    TodoMasks,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    stride_pt,
+    stride_pkb,
+    stride_pkh,
+    stride_pvb,
+    stride_pvh,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BAND: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DENSE: tl.constexpr,
+    CORRECTION: tl.constexpr,
+    HAS_TODO: tl.constexpr,
+    FP8: tl.constexpr,
+    P_SHIFT: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    CORR_IEEE: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    PIPE_STAGES: tl.constexpr,
+):
+    """Attention of one (request, KV head, tile) segment over its kept blocks (+ mean correction).
+
+    Pointers: ``Q (total_q, Hq, d)``, ``K``/``V (num_pages, page_size, Hkv, d)``, ``Out`` like Q,
+    ``Lse (total_q, Hq) f32``; batch metadata ``CuSeqlensQ (B+1,)``, ``SeqlensK (B,)``,
+    ``PageTable (B, max_pages)``; ``SegRequest (S,)`` request of each program and
+    ``TileOffsets (B+1,)``; CSR ``IdxOffsets (S+1,)``, ``IdxBlocks (nnz,)`` (unused when
+    ``DENSE``); FP8 descales ``(B, Hkv)`` contiguous; correction statistics and todo words
+    (unused without ``CORRECTION``). All integer metadata is int32. ``P_SHIFT`` is 8 for FP8
+    (probabilities ``2^(s - m + 8)``) and 0 otherwise.
+    """
+    pid = tl.program_id(0)
+    # ---- which segment: request from the launch's table, (KV head, tile) from the segment order
+    b = tl.load(SegRequest + pid)
+    tile_start = tl.load(TileOffsets + b)
+    ntiles = tl.load(TileOffsets + b + 1) - tile_start
+    local = pid - NUM_KV_HEADS * tile_start
+    h = local // ntiles
+    t = local - h * ntiles
+    q_start = tl.load(CuSeqlensQ + b)
+    q_len = tl.load(CuSeqlensQ + b + 1) - q_start
+    kv_len = tl.load(SeqlensK + b)
+    prefix = kv_len - q_len
+
+    # ---- PackGQA rows of the tile
+    rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_rows = q_len * GROUP
+    row_ok = rows < n_rows
+    pos = rows // GROUP
+    head = h * GROUP + rows % GROUP
+    q_abs = prefix + pos  # absolute KV position of each row
+    first_abs = prefix + (t * BLOCK_M) // GROUP
+    last_abs = prefix + (tl.minimum(t * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    token = (q_start + pos).to(tl.int64)
+    q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None])
+
+    qk_scale = sm_scale_log2
+    if FP8:
+        q_descale = tl.load(QDescale + b * NUM_KV_HEADS + h)
+        qk_scale = sm_scale_log2 * q_descale * tl.load(KDescale + b * NUM_KV_HEADS + h)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    pt_row = PageTable + b.to(tl.int64) * stride_pt
+    k_head = K + h * stride_kh
+    v_head = V + h * stride_vh
+    # Blocks below this id are wholly visible to every row of the tile: no mask at all.
+    full_limit = (first_abs + 1) // BLOCK_SIZE
+
+    # ---- how many kept blocks need no mask; the rest form the diagonal band
+    if DENSE:
+        seg_start = 0
+        n_total = last_abs // BLOCK_SIZE + 1
+        n_full = full_limit
+    else:
+        seg_start = tl.load(IdxOffsets + pid)
+        seg_end = tl.load(IdxOffsets + pid + 1)
+        n_total = seg_end - seg_start
+        # Kept ids are ascending and at most BAND of them reach the band, so counting
+        # among the last BAND ids is enough (the index was checked against the batch).
+        tail_idx = seg_end - BAND + tl.arange(0, BAND)
+        tail = tl.load(IdxBlocks + tail_idx, mask=tail_idx >= seg_start, other=-1)
+        n_full = n_total - tl.sum((tail >= full_limit).to(tl.int32), 0)
+
+    # ---- phase 1: unmasked sub-tiles (software-pipelined)
+    for it in tl.range(0, n_full * SUBS, num_stages=PIPE_STAGES):
+        if DENSE:
+            kstart = it * BLOCK_N
+        else:
+            blk = tl.load(IdxBlocks + seg_start + it // SUBS)
+            kstart = blk * BLOCK_SIZE + (it % SUBS) * BLOCK_N
+        m_i, l_i, acc = _attend_subtile(
+            q, q_abs, m_i, l_i, acc, qk_scale, k_head, v_head, pt_row, kstart, kv_len,
+            stride_kp, stride_ks, stride_vp, stride_vs, PAGE_SIZE, HEAD_DIM, BLOCK_N, False, P_SHIFT, DOT_KIND,
+        )  # fmt: skip
+
+    # ---- phase 2: the diagonal band, causal and tail masks
+    for it in range(n_full * SUBS, n_total * SUBS):
+        if DENSE:
+            kstart = it * BLOCK_N
+        else:
+            blk = tl.load(IdxBlocks + seg_start + it // SUBS)
+            kstart = blk * BLOCK_SIZE + (it % SUBS) * BLOCK_N
+        if kstart <= last_abs:  # sub-tiles past the tile's last query are invisible to all rows
+            m_i, l_i, acc = _attend_subtile(
+                q, q_abs, m_i, l_i, acc, qk_scale, k_head, v_head, pt_row, kstart, kv_len,
+                stride_kp, stride_ks, stride_vp, stride_vs, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, P_SHIFT, DOT_KIND,
+            )  # fmt: skip
+
+    # ---- phase 3: mean correction of pruned eligible blocks, chunk by chunk
+    if CORRECTION:
+        if FP8:
+            # Pooled statistics are in real units: q needs its descale, and the pooled values
+            # are brought into the FP8 V units the accumulator holds (v_descale comes last).
+            corr_scale = sm_scale_log2 * q_descale
+            v_units = 1.0 / tl.load(VDescale + b * NUM_KV_HEADS + h)
+        else:
+            corr_scale = sm_scale_log2
+            v_units = 1.0
+        n_elig = first_abs // BLOCK_SIZE  # J < (prefix + p_first) // Bk
+        boff = tl.load(BlockOffsets + b)
+        offs_c = tl.arange(0, CHUNK)
+        q_f32 = q.to(tl.float32)
+        if HAS_TODO:
+            w_start = tl.load(TodoOffsets + pid)
+            w_end = tl.load(TodoOffsets + pid + 1)
+        else:
+            ptr = seg_start
+        for c in range(0, tl.cdiv(n_elig, CHUNK)):
+            blk_c = c * CHUNK + offs_c
+            eligible = blk_c < n_elig
+            if HAS_TODO:
+                word = tl.load(TodoMasks + w_start + c, mask=w_start + c < w_end, other=0)
+                todo = eligible & (((word >> offs_c.to(tl.int64)) & 1) != 0)
+            else:
+                # Two-pointer scan of the sorted kept list: ids before ptr are below this
+                # chunk, and at most CHUNK kept ids fall inside it.
+                ids = tl.load(IdxBlocks + ptr + offs_c, mask=ptr + offs_c < seg_end, other=2147483647)
+                hit = tl.sum((ids[:, None] == blk_c[None, :]).to(tl.int32), 0)
+                todo = eligible & (hit == 0)
+                ptr += tl.sum((ids < c * CHUNK + CHUNK).to(tl.int32), 0)
+            if tl.sum(todo.to(tl.int32), 0) > 0:  # skip chunks with nothing to add
+                stat = (boff + blk_c).to(tl.int64)
+                kbar = tl.load(
+                    PooledK + stat[:, None] * stride_pkb + h * stride_pkh + offs_d[None, :],
+                    mask=todo[:, None],
+                    other=0.0,
+                )
+                vbar = tl.load(
+                    PooledV + stat[:, None] * stride_pvb + h * stride_pvh + offs_d[None, :],
+                    mask=todo[:, None],
+                    other=0.0,
+                )
+                lengths = tl.load(BlockLengths + stat, mask=todo, other=1)
+                m_i, l_i, acc = _correct_chunk(
+                    q_f32, kbar, vbar * v_units, tl.log2(lengths.to(tl.float32)), todo, m_i, l_i, acc,
+                    corr_scale, P_SHIFT, CORR_IEEE,
+                )  # fmt: skip
+
+    # ---- epilogue: normalise, write the rows of this tile (rows that saw nothing get 0 / -inf)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if FP8:
+        out = out * tl.load(VDescale + b * NUM_KV_HEADS + h)
+    o_ptrs = Out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe) - P_SHIFT) * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + token * stride_lt + head * stride_lh, lse, mask=row_ok)
