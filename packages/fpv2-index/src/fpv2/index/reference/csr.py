@@ -1,0 +1,48 @@
+"""Assembling per-tile kept blocks, produced in segment order, into the CSR block index."""
+
+from __future__ import annotations
+
+import torch
+
+from fpv2.kernel.contracts import BlockIndex, PagedPrefillBatch, expected_tile_offsets
+
+
+def assemble_block_index(
+    counts: list[torch.Tensor],
+    ids: list[torch.Tensor],
+    batch: PagedPrefillBatch,
+    *,
+    group: int,
+    num_kv_heads: int,
+    tile_size: int,
+    block_size: int,
+) -> BlockIndex:
+    """Concatenate per-(request, KV head) pieces into a :class:`~fpv2.kernel.BlockIndex`.
+
+    Args:
+        counts: one ``(T_b,) int32`` tensor per (request, KV head) with a tile, in
+            segment order (request-major, then KV head): kept blocks per tile.
+        ids: matching ``(sum counts,) int32`` ascending block ids, tile after tile.
+        batch: the prefill batch (fixes ``tile_offsets`` and the device).
+        group: GQA group size the tiles were packed with.
+        num_kv_heads: ``Hkv``.
+        tile_size: packed rows per tile.
+        block_size: tokens per key block.
+
+    Returns:
+        The block index on the batch's device (its structure is checked on construction).
+    """
+    device = batch.device
+    all_counts = torch.cat(counts).to(device) if counts else torch.zeros(0, dtype=torch.int32, device=device)
+    offsets = torch.zeros(all_counts.numel() + 1, dtype=torch.int32, device=device)
+    offsets[1:] = all_counts.cumsum(0)
+    blocks = torch.cat(ids).to(device) if ids else torch.zeros(0, dtype=torch.int32, device=device)
+    return BlockIndex(
+        offsets=offsets,
+        blocks=blocks.to(torch.int32).contiguous(),
+        tile_offsets=expected_tile_offsets(batch, group, tile_size).to(device),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        tile_size=tile_size,
+        block_size=block_size,
+    )

@@ -1,0 +1,71 @@
+"""The dense strategy: every causally visible block of every tile (a baseline and a fallback)."""
+
+from __future__ import annotations
+
+import torch
+
+from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch
+
+from ..config import SelectionConfig
+from ..reference.csr import assemble_block_index
+from ..reference.inputs import check_selection_inputs
+from ..reference.tiles import request_tiles
+from .registry import register_strategy
+
+
+@register_strategy("dense")
+class DenseStrategy:
+    """Keep blocks ``0 .. last_visible_block`` of every tile: sparse kernels then compute dense attention.
+
+    Attributes:
+        name: ``"dense"``.
+    """
+
+    name = "dense"
+
+    def select(
+        self,
+        q: torch.Tensor,
+        batch: PagedPrefillBatch,
+        statistics: BlockStatistics,
+        *,
+        config: SelectionConfig,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+    ) -> BlockIndex:
+        """Keep every visible block.
+
+        Args:
+            q: ``(total_q, Hq, d)`` packed queries (only their shape is used).
+            batch: the paged prefill batch.
+            statistics: pooled keys; only their head count and block layout are used.
+            config: selection parameters (``tile_size`` and ``block_size`` matter).
+            q_descale: checked like for any strategy, otherwise unused.
+            k_descale: checked like for any strategy, otherwise unused.
+
+        Returns:
+            The dense block index.
+        """
+        shapes = check_selection_inputs(q, batch, statistics, config, q_descale=q_descale, k_descale=k_descale)
+        counts, ids = [], []
+        host = batch.host
+        for q_len, prefix in zip(host.q_lens, host.prefix):
+            if q_len == 0:
+                continue
+            tiles = request_tiles(
+                q_len, prefix, shapes.group, tile_size=config.tile_size, block_size=config.block_size, device=q.device
+            )
+            visible = (tiles.last_visible_block + 1).to(torch.int32)
+            per_head = torch.cat([torch.arange(int(n), dtype=torch.int32, device=q.device) for n in visible.tolist()])
+            for _ in range(shapes.num_kv_heads):
+                counts.append(visible)
+                ids.append(per_head)
+        return assemble_block_index(
+            counts,
+            ids,
+            batch,
+            group=shapes.group,
+            num_kv_heads=shapes.num_kv_heads,
+            tile_size=config.tile_size,
+            block_size=config.block_size,
+        )

@@ -1,0 +1,18 @@
+"""Fused Triton index stage: paged block pooling, single-pass scoring + selection, CSR compaction.
+
+The fast path of the ``max_threshold`` strategy on CUDA (and, under
+``TRITON_INTERPRET=1``, on the CPU for tests). Same semantics as the PyTorch
+reference in :mod:`fpv2.index.reference`; see :func:`select_blocks_triton` for
+the host-sync behaviour and :class:`IndexWorkspace` for the scratch bound.
+"""
+
+from .api import interpreter_enabled, pool_blocks_triton, select_blocks_triton
+from .workspace import CHUNK_BLOCKS, IndexWorkspace
+
+__all__ = [
+    "CHUNK_BLOCKS",
+    "IndexWorkspace",
+    "interpreter_enabled",
+    "pool_blocks_triton",
+    "select_blocks_triton",
+]

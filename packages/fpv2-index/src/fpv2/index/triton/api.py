@@ -1,0 +1,365 @@
+"""Public entry points of the fused Triton index stage: pooling, then scoring + selection + compaction.
+
+Host-side data: both functions size their outputs and grids from
+``batch.host`` (the batch's cached host copy of ``cu_seqlens_q`` and
+``seqlens_k``, read once per batch) and never read device values otherwise.
+:func:`select_blocks_triton` with ``exact_nnz=True`` (the default) makes one
+extra 4-byte read, ``offsets[-1]``, because the :class:`~fpv2.kernel.BlockIndex`
+contract wants ``blocks`` to hold exactly ``nnz`` ids; ``exact_nnz=False``
+makes no host sync at all (see its docstring for the price).
+
+Both run on CUDA tensors, or on CPU tensors under the Triton interpreter
+(``TRITON_INTERPRET=1``, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fpv2.kernel.contracts import (
+    ACTIVATION_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    BlockIndex,
+    BlockStatistics,
+    PagedPrefillBatch,
+    num_key_blocks,
+    num_query_tiles,
+)
+
+from ..config import SelectionConfig
+from .compaction import launch_compact, segment_offsets
+from .pooling import launch_pool
+from .scoring import DOT_BF16, DOT_FP16, DOT_FP32, launch_score_select
+from .workspace import IndexWorkspace
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Returns:
+        True when the environment variable is set to a true value.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_device(name: str, t: torch.Tensor) -> None:
+    """Triton needs CUDA tensors, or the interpreter for CPU tensors."""
+    if t.device.type == "cuda" or interpreter_enabled():
+        return
+    raise ValueError(
+        f"{name} is on {t.device}: the Triton index stage needs CUDA tensors (or TRITON_INTERPRET=1 to run on "
+        f"the CPU interpreter); got {_describe(t)}"
+    )
+
+
+def _check_batch(batch: object) -> PagedPrefillBatch:
+    if not isinstance(batch, PagedPrefillBatch):
+        raise TypeError(f"batch must be a PagedPrefillBatch, got {type(batch).__name__}")
+    return batch
+
+
+def _check_descale(
+    name: str, scale: object, *, needed: bool, fp8: bool, batch: PagedPrefillBatch, num_kv_heads: int
+) -> torch.Tensor | None:
+    """FP8 descales: ``(B, Hkv) float32`` on the batch's device, required with FP8 inputs, refused otherwise."""
+    if scale is None:
+        if needed:
+            raise ValueError(
+                f"{name} is required for float8_e4m3fn inputs (shape ({batch.num_requests}, {num_kv_heads}))"
+            )
+        return None
+    if not fp8:
+        raise ValueError(f"{name} is only meaningful for float8_e4m3fn inputs")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        got = _describe(scale) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"{name} must be a float32 tensor of shape ({batch.num_requests}, {num_kv_heads}); got {got}")
+    if tuple(scale.shape) != (batch.num_requests, num_kv_heads) or scale.device != batch.device:
+        raise ValueError(
+            f"{name} must have shape ({batch.num_requests}, {num_kv_heads}) on {batch.device}; got {_describe(scale)}"
+        )
+    return scale.contiguous()
+
+
+def _check_cache(name: str, cache: object, batch: PagedPrefillBatch) -> torch.Tensor:
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"{name} must have dtype in {ACTIVATION_DTYPES}; got {_describe(cache)}")
+    if cache.dim() != 4 or cache.shape[0] != batch.num_pages or cache.shape[1] != batch.page_size:
+        raise ValueError(
+            f"{name} must have shape (num_pages={batch.num_pages}, page_size={batch.page_size}, Hkv, d); "
+            f"got {_describe(cache)}"
+        )
+    if cache.device != batch.device:
+        raise ValueError(f"{name} must be on the batch's device {batch.device}; got {_describe(cache)}")
+    if cache.numel() and cache.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in d; got strides {tuple(cache.stride())} ({_describe(cache)})")
+    _check_device(name, cache)
+    return cache
+
+
+def _block_rows(batch: PagedPrefillBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(block_offsets, block_request, total_blocks)``: offsets on the device, the total from ``batch.host``."""
+    total = sum(num_key_blocks(k, block_size) for k in batch.host.seqlens_k)
+    counts = (batch.seqlens_k + (block_size - 1)) // block_size
+    offsets = torch.zeros(batch.num_requests + 1, dtype=torch.int32, device=batch.device)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
+    rows = torch.arange(total, dtype=torch.int32, device=batch.device)
+    request = torch.searchsorted(offsets[1:], rows, right=True, out_int32=True)
+    return offsets, request, total
+
+
+def pool_blocks_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    batch: PagedPrefillBatch,
+    *,
+    block_size: int = 128,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> BlockStatistics:
+    """Mean-pool every key block (and value block) of every request, straight from the paged cache.
+
+    Block ``J`` of request ``b`` averages its valid tokens (the tail block over
+    its real length), accumulated in fp32, after the FP8 descale of its
+    (request, KV head). Same result as :func:`fpv2.kernel.reference.pooling.pool_blocks`.
+    No host sync beyond ``batch.host``.
+
+    Args:
+        k_cache: ``(num_pages, page_size, Hkv, d)`` key cache (fp16, bf16, fp32 or float8_e4m3fn).
+        v_cache: value cache of the same shape and dtype, or None to pool keys only.
+        batch: the paged prefill batch.
+        block_size: tokens per key block (a power of two).
+        k_descale: ``(B, Hkv) float32`` key descales, required for FP8 caches, refused otherwise.
+        v_descale: ``(B, Hkv) float32`` value descales, required for an FP8 ``v_cache``.
+
+    Returns:
+        :class:`~fpv2.kernel.BlockStatistics` with ``pooled_k`` (and ``pooled_v``) of shape
+        ``(total_blocks, Hkv, d) float32``, ``block_lengths``, ``block_offsets`` and ``block_size``.
+
+    Raises:
+        TypeError: an argument has the wrong type or dtype.
+        ValueError: shapes, devices or strides disagree with the batch; the message names the argument.
+    """
+    batch = _check_batch(batch)
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size}")
+    k_cache = _check_cache("k_cache", k_cache, batch)
+    if v_cache is not None:
+        v_cache = _check_cache("v_cache", v_cache, batch)
+        if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"v_cache must match k_cache ({_describe(k_cache)}); got {_describe(v_cache)}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    heads = k_cache.shape[2]
+    k_descale = _check_descale("k_descale", k_descale, needed=fp8, fp8=fp8, batch=batch, num_kv_heads=heads)
+    v_descale = _check_descale(
+        "v_descale", v_descale, needed=fp8 and v_cache is not None, fp8=fp8, batch=batch, num_kv_heads=heads
+    )
+    block_offsets, block_request, total = _block_rows(batch, block_size)
+    pooled_k, pooled_v, lengths = launch_pool(
+        k_cache,
+        v_cache,
+        seqlens_k=batch.seqlens_k,
+        page_table=batch.page_table,
+        page_size=batch.page_size,
+        block_offsets=block_offsets,
+        block_request=block_request,
+        total_blocks=total,
+        block_size=block_size,
+        k_descale=k_descale,
+        v_descale=v_descale if v_cache is not None else None,
+    )
+    return BlockStatistics(pooled_k, pooled_v, lengths, block_offsets, block_size)
+
+
+def _check_selection(
+    q: object,
+    batch: PagedPrefillBatch,
+    statistics: object,
+    config: object,
+    q_descale: object,
+    k_descale: object,
+) -> tuple[torch.Tensor, BlockStatistics, SelectionConfig, torch.Tensor | None]:
+    """Shape-level checks of :func:`select_blocks_triton` (no device values are read)."""
+    if not isinstance(config, SelectionConfig):
+        raise TypeError(f"config must be a SelectionConfig, got {type(config).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"q must have dtype in {ACTIVATION_DTYPES}; got {_describe(q)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape (total_q, Hq, d); got {_describe(q)}")
+    if q.device != batch.device:
+        raise ValueError(f"q must be on the batch's device {batch.device}; got {_describe(q)}")
+    if q.shape[0] != batch.total_q:
+        raise ValueError(f"q must hold cu_seqlens_q[-1]={batch.total_q} packed queries; got {_describe(q)}")
+    if q.numel() and q.stride(-1) != 1:
+        raise ValueError(f"q must have unit stride in d; got strides {tuple(q.stride())} ({_describe(q)})")
+    _check_device("q", q)
+    if not isinstance(statistics, BlockStatistics):
+        raise TypeError(f"statistics must be a BlockStatistics, got {type(statistics).__name__}")
+    if statistics.block_size != config.block_size:
+        raise ValueError(
+            f"statistics were pooled with block_size={statistics.block_size}, config.block_size="
+            f"{config.block_size}; pool with the selection's block size"
+        )
+    pooled = statistics.pooled_k
+    if pooled.device != batch.device:
+        raise ValueError(f"statistics.pooled_k must be on the batch's device {batch.device}; got {_describe(pooled)}")
+    total = sum(num_key_blocks(k, config.block_size) for k in batch.host.seqlens_k)
+    if pooled.shape[0] != total or statistics.block_offsets.numel() != batch.num_requests + 1:
+        raise ValueError(
+            f"statistics do not match the batch: pooled_k {_describe(pooled)} and block_offsets "
+            f"{_describe(statistics.block_offsets)}, the batch has {total} blocks of {config.block_size} tokens over "
+            f"{batch.num_requests} requests"
+        )
+    head_dim = q.shape[2]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}; q has {_describe(q)}")
+    if statistics.head_dim != head_dim:
+        raise ValueError(
+            f"statistics.pooled_k has head dim {statistics.head_dim} ({_describe(pooled)}), q has {head_dim}"
+        )
+    heads = statistics.num_kv_heads
+    if heads == 0 or q.shape[1] % heads:
+        raise ValueError(f"Hq % Hkv != 0: q has Hq={q.shape[1]} heads ({_describe(q)}), statistics have Hkv={heads}")
+    fp8 = q.dtype == torch.float8_e4m3fn
+    q_descale = _check_descale("q_descale", q_descale, needed=fp8, fp8=fp8, batch=batch, num_kv_heads=heads)
+    _check_descale("k_descale", k_descale, needed=False, fp8=fp8, batch=batch, num_kv_heads=heads)
+    return q, statistics, config, q_descale
+
+
+def _dot_kind(dtype: torch.dtype) -> int:
+    """Operand type of the scoring dot for queries of ``dtype`` (see :mod:`.scoring`)."""
+    if dtype == torch.float32:
+        return DOT_FP32
+    if dtype == torch.bfloat16:
+        return DOT_FP32 if interpreter_enabled() else DOT_BF16
+    return DOT_FP16  # fp16, and float8_e4m3fn upcast exactly
+
+
+def _visible_pairs(batch: PagedPrefillBatch, group: int, tile_size: int, block_size: int) -> int:
+    """Causally visible (tile, block) pairs per KV head: an upper bound on kept pairs (host values only)."""
+    total = 0
+    for q_len, prefix in zip(batch.host.q_lens, batch.host.prefix):
+        tiles = num_query_tiles(q_len, group, tile_size)
+        if tiles == 0:
+            continue
+        row_end = torch.clamp((torch.arange(tiles, dtype=torch.int64) + 1) * tile_size, max=q_len * group)
+        total += int(((prefix + (row_end - 1) // group) // block_size + 1).sum())
+    return total
+
+
+def select_blocks_triton(
+    q: torch.Tensor,
+    batch: PagedPrefillBatch,
+    statistics: BlockStatistics,
+    *,
+    config: SelectionConfig,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    workspace: IndexWorkspace | None = None,
+    exact_nnz: bool = True,
+) -> BlockIndex:
+    """Fused max-threshold selection: the same index as :func:`fpv2.index.reference.select_blocks`.
+
+    One persistent Triton kernel scores every (request, KV head, tile) segment in
+    a single pass over its candidate pooled keys and writes keep bits and counts
+    (see :mod:`fpv2.index.triton.scoring`); ``offsets`` is a device prefix sum of
+    the counts and a second kernel writes the ascending block ids
+    (:mod:`fpv2.index.triton.compaction`). Results equal the reference except for
+    blocks whose energy ratio lies within rounding of ``alpha``.
+
+    Args:
+        q: ``(total_q, Hq, d)`` packed queries (fp16, bf16, fp32 or float8_e4m3fn), unit stride in ``d``.
+        batch: the paged prefill batch.
+        statistics: pooled keys in real units, pooled with ``config.block_size`` for this batch
+            (e.g. by :func:`pool_blocks_triton`); ``block_offsets`` values are trusted, not re-read.
+        config: selection parameters.
+        q_descale: ``(B, Hkv) float32`` query descales, required for FP8 queries, refused otherwise.
+        k_descale: ``(B, Hkv) float32`` key descales, accepted with FP8 queries and checked but not
+            applied: the statistics are already dequantised (as in the reference).
+        workspace: scratch reused across calls; None allocates a fresh one for this call.
+        exact_nnz: size ``blocks`` exactly, which reads ``offsets[-1]`` on the host (one 4-byte sync).
+            With False there is no host sync: ``blocks`` has room for every causally visible
+            (tile, block) pair, its first ``offsets[-1]`` entries are the index and the rest hold -1.
+            Kernels, which only read ``blocks[offsets[s]:offsets[s+1]]``, accept it; ``BlockIndex.nnz``,
+            ``density``, ``to_dense_mask`` and ``validate_values`` assume ``blocks.numel() == offsets[-1]``
+            and do not.
+
+    Returns:
+        The :class:`~fpv2.kernel.BlockIndex` (built with ``check_values=False``), segment order
+        request, KV head, tile; ``tile_size`` and ``block_size`` from ``config``.
+
+    Raises:
+        TypeError: an argument has the wrong type or dtype.
+        ValueError: shapes, devices or strides are inconsistent; the message names the argument.
+    """
+    batch = _check_batch(batch)
+    q, statistics, config, q_descale = _check_selection(q, batch, statistics, config, q_descale, k_descale)
+    if workspace is None:
+        workspace = IndexWorkspace()
+    elif not isinstance(workspace, IndexWorkspace):
+        raise TypeError(f"workspace must be an IndexWorkspace or None, got {type(workspace).__name__}")
+    device = batch.device
+    heads = statistics.num_kv_heads
+    group = q.shape[1] // heads
+    tile_size, block_size = config.tile_size, config.block_size
+    host = batch.host
+
+    total_tiles = sum(num_query_tiles(n, group, tile_size) for n in host.q_lens)
+    num_segments = heads * total_tiles
+    max_blocks = max((num_key_blocks(k, block_size) for k in host.seqlens_k), default=0)
+    # Tile offsets from the device copy of cu_seqlens_q (no sync); equal to expected_tile_offsets(batch).
+    q_lens = batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]
+    tile_offsets = torch.zeros(batch.num_requests + 1, dtype=torch.int32, device=device)
+    torch.cumsum((q_lens * group + (tile_size - 1)) // tile_size, dim=0, dtype=torch.int32, out=tile_offsets[1:])
+    tile_request = torch.searchsorted(
+        tile_offsets[1:], torch.arange(total_tiles, dtype=torch.int32, device=device), right=True, out_int32=True
+    )
+
+    num_programs = workspace.num_programs(num_segments, device)
+    views = workspace.reserve(
+        num_programs=num_programs, max_blocks=max_blocks, num_segments=num_segments, device=device
+    )
+    launch_score_select(
+        q,
+        statistics.pooled_k,
+        q_descale=q_descale,
+        cu_seqlens_q=batch.cu_seqlens_q,
+        seqlens_k=batch.seqlens_k,
+        tile_offsets=tile_offsets,
+        tile_request=tile_request,
+        block_offsets=statistics.block_offsets,
+        views=views,
+        num_work=num_segments,
+        num_programs=num_programs,
+        group=group,
+        scale=config.scale_for(q.shape[2]),
+        alpha=config.alpha,
+        tile_size=tile_size,
+        block_size=block_size,
+        probe_stride=config.probe_stride,
+        sink_tokens=config.sink_tokens,
+        window_tokens=config.window_tokens,
+        dense_tail_tiles=config.dense_tail_tiles,
+        min_sparse_kv_len=config.min_sparse_kv_len,
+        dot_kind=_dot_kind(q.dtype),
+        interpret=interpreter_enabled(),
+    )
+    offsets = segment_offsets(views.counts)
+    if exact_nnz:
+        blocks = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)  # the one documented sync
+    else:
+        capacity = heads * _visible_pairs(batch, group, tile_size, block_size)
+        blocks = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+    launch_compact(views.keep_bits, offsets, blocks)
+    return BlockIndex(offsets, blocks, tile_offsets, heads, group, tile_size, block_size, check_values=False)

@@ -1,0 +1,84 @@
+"""Keep bits -> CSR: offsets by a device prefix sum, then block ids written in place, ascending.
+
+The selection kernel leaves one bit per (segment, block) and one count per
+segment. ``offsets = [0, cumsum(counts)]`` is a single device scan; then one
+program per segment expands its bits chunk by chunk (64 blocks per chunk, two
+int32 words), ranks the set bits with an in-chunk prefix sum and writes their
+block ids to ``blocks[offsets[s] + rank]``. A program stops as soon as it has
+written its segment's count, so it never reads bits past the chunks the
+selection kernel wrote for that segment.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .workspace import CHUNK_BLOCKS, WORD_BITS
+
+
+@triton.jit
+def _compact_kernel(
+    keep_bits_ptr,
+    offsets_ptr,
+    blocks_ptr,
+    bits_stride,
+    num_chunks,
+    BLOCK_N: tl.constexpr,
+    WORD: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    base = tl.load(offsets_ptr + segment)
+    count = tl.load(offsets_ptr + segment + 1) - base
+    bits_row = keep_bits_ptr + segment.to(tl.int64) * bits_stride
+    lanes = tl.arange(0, WORD)
+    chunk = tl.arange(0, BLOCK_N)
+    words_i = tl.arange(0, BLOCK_N // WORD)
+    written = count * 0
+    c = count * 0
+    while (written < count) & (c < num_chunks):
+        words = tl.load(bits_row + c * (BLOCK_N // WORD) + words_i)
+        bits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BLOCK_N,))
+        rank = written + tl.cumsum(bits, axis=0) - 1
+        tl.store(blocks_ptr + base + rank, c * BLOCK_N + chunk, mask=(bits != 0) & (rank < count))
+        written += tl.sum(bits, axis=0)
+        c += 1
+
+
+def segment_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """``(S+1,) int32`` CSR offsets ``[0, cumsum(counts)]`` computed on the device (no host sync).
+
+    Args:
+        counts: ``(S,) int32`` kept blocks per segment.
+
+    Returns:
+        The offsets, on ``counts``'s device.
+    """
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
+    return offsets
+
+
+def launch_compact(keep_bits: torch.Tensor, offsets: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Write every segment's kept block ids to ``blocks``, ascending, at its offset.
+
+    Args:
+        keep_bits: ``(S, W) int32`` keep bits (bit ``i`` of word ``w`` is block ``32 * w + i``).
+        offsets: ``(S+1,) int32`` CSR offsets.
+        blocks: ``(>= offsets[-1],) int32`` output; entries past ``offsets[-1]`` are left as they are.
+    """
+    num_segments = offsets.numel() - 1
+    if num_segments == 0:
+        return
+    words = keep_bits.shape[1]
+    _compact_kernel[(num_segments,)](
+        keep_bits,
+        offsets,
+        blocks,
+        keep_bits.stride(0),
+        words // (CHUNK_BLOCKS // WORD_BITS),
+        BLOCK_N=CHUNK_BLOCKS,
+        WORD=WORD_BITS,
+        num_warps=2,
+    )

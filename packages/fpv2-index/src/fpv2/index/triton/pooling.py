@@ -1,0 +1,166 @@
+"""Paged mean pooling of K and V: one Triton program per (key block, KV head).
+
+Each program reads its block's tokens straight out of the paged cache through
+the page table (any page size, 1 included), dequantises FP8 with the per
+(request, KV head) descale, accumulates in fp32 and divides by the block's
+valid length, so the tail block of a request averages over its real tokens.
+Output rows follow :class:`fpv2.kernel.BlockStatistics`: block ``J`` of request
+``b`` is row ``block_offsets[b] + J``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Tokens loaded per step (bounded by the block size).
+POOL_TOKENS = 32
+
+
+@triton.jit
+def _pool_kernel(
+    k_ptr,
+    v_ptr,
+    pooled_k_ptr,
+    pooled_v_ptr,
+    lengths_ptr,
+    block_request_ptr,
+    block_offsets_ptr,
+    seqlens_k_ptr,
+    page_table_ptr,
+    k_descale_ptr,
+    v_descale_ptr,
+    stride_k_page,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_page,
+    stride_v_slot,
+    stride_v_head,
+    stride_table,
+    page_size,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_V: tl.constexpr,
+    HAS_K_DESCALE: tl.constexpr,
+    HAS_V_DESCALE: tl.constexpr,
+):
+    row = tl.program_id(0)  # global block row (block_offsets[b] + J)
+    head = tl.program_id(1)
+    b = tl.load(block_request_ptr + row)
+    block = row - tl.load(block_offsets_ptr + b)
+    kv_len = tl.load(seqlens_k_ptr + b)
+    start = block * BLOCK_SIZE
+    length = tl.minimum(kv_len - start, BLOCK_SIZE)
+
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    k_scale = 1.0
+    if HAS_K_DESCALE:
+        k_scale = tl.load(k_descale_ptr + b * num_kv_heads + head)
+    v_scale = 1.0
+    if HAS_V_DESCALE:
+        v_scale = tl.load(v_descale_ptr + b * num_kv_heads + head)
+    acc_k = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_v = tl.zeros([BLOCK_D], dtype=tl.float32)
+    table_row = page_table_ptr + b.to(tl.int64) * stride_table
+    # Static trip count: the Triton 3.6 interpreter cannot take loaded values as range() bounds.
+    for t0 in range(0, BLOCK_SIZE, TOKENS):
+        offs = t0 + tl.arange(0, TOKENS)
+        tok_ok = offs < length
+        pos = start + offs
+        # Page ids are only read for valid tokens: entries past a request's last page may be garbage.
+        page = tl.load(table_row + pos // page_size, mask=tok_ok, other=0).to(tl.int64)
+        slot = (pos % page_size).to(tl.int64)
+        mask = tok_ok[:, None] & dim_ok[None, :]
+        k_addr = page * stride_k_page + slot * stride_k_slot + head * stride_k_head
+        k = tl.load(k_ptr + k_addr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc_k += tl.sum(k * k_scale, axis=0)
+        if HAS_V:
+            v_addr = page * stride_v_page + slot * stride_v_slot + head * stride_v_head
+            v = tl.load(v_ptr + v_addr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc_v += tl.sum(v * v_scale, axis=0)
+
+    inv_len = 1.0 / length.to(tl.float32)
+    out = (row.to(tl.int64) * num_kv_heads + head) * head_dim + dims
+    tl.store(pooled_k_ptr + out, acc_k * inv_len, mask=dim_ok)
+    if HAS_V:
+        tl.store(pooled_v_ptr + out, acc_v * inv_len, mask=dim_ok)
+    tl.store(lengths_ptr + row, length, mask=head == 0)
+
+
+def launch_pool(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    *,
+    seqlens_k: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    block_offsets: torch.Tensor,
+    block_request: torch.Tensor,
+    total_blocks: int,
+    block_size: int,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Run the pooling kernel over every block of the batch (inputs checked by the caller).
+
+    Args:
+        k_cache: ``(num_pages, page_size, Hkv, d)`` key cache, unit stride in ``d``.
+        v_cache: same layout, or None to pool keys only.
+        seqlens_k: ``(B,) int32`` KV lengths.
+        page_table: ``(B, max_pages) int32`` page table, unit stride along pages.
+        page_size: tokens per page.
+        block_offsets: ``(B+1,) int32`` cumulative blocks per request (device).
+        block_request: ``(total_blocks,)`` request of each block row (device).
+        total_blocks: number of block rows.
+        block_size: tokens per block.
+        k_descale: ``(B, Hkv) float32`` contiguous or None.
+        v_descale: ``(B, Hkv) float32`` contiguous or None.
+
+    Returns:
+        ``(pooled_k, pooled_v or None, block_lengths)``: ``(total_blocks, Hkv, d) float32`` pooled vectors
+        and ``(total_blocks,) int32`` valid tokens per block.
+    """
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    device = k_cache.device
+    pooled_k = torch.empty(total_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
+    pooled_v = torch.empty_like(pooled_k) if v_cache is not None else None
+    lengths = torch.empty(total_blocks, dtype=torch.int32, device=device)
+    if total_blocks == 0 or num_kv_heads == 0:
+        return pooled_k, pooled_v, lengths
+    v_arg = v_cache if v_cache is not None else k_cache
+    _pool_kernel[(total_blocks, num_kv_heads)](
+        k_cache,
+        v_arg,
+        pooled_k,
+        pooled_v if pooled_v is not None else pooled_k,
+        lengths,
+        block_request,
+        block_offsets,
+        seqlens_k,
+        page_table,
+        k_descale if k_descale is not None else pooled_k,
+        v_descale if v_descale is not None else pooled_k,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_arg.stride(0),
+        v_arg.stride(1),
+        v_arg.stride(2),
+        page_table.stride(0),
+        page_size,
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        TOKENS=min(POOL_TOKENS, block_size),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_V=v_cache is not None,
+        HAS_K_DESCALE=k_descale is not None,
+        HAS_V_DESCALE=v_descale is not None,
+        num_warps=4,
+    )
+    return pooled_k, pooled_v, lengths

@@ -1,0 +1,181 @@
+"""Scratch memory of the fused index stage, reused across calls and grown by capacity.
+
+The fused selection kernel (:mod:`.scoring`) runs a *persistent* grid of ``P``
+programs; each program walks many (request, KV head, tile) segments one after
+the other and needs scratch only for the segment it is on. So the scratch does
+not grow with ``Hkv * tiles * blocks`` (the published implementation's layout,
+about 0.4 GB at 128K tokens with 32/8 heads) but with:
+
+- energies: one fp32 row of ``Nb`` log2 block energies per *program*,
+  ``P * Nb * 4`` bytes;
+- keep bits: one bit per (segment, block), padded to whole chunks of
+  :data:`CHUNK_BLOCKS` blocks, ``S * ceil(Nb / 64) * 8`` bytes;
+- counts: one int32 per segment, ``S * 4`` bytes;
+
+with ``Nb`` the largest number of key blocks of a request, ``S = Hkv * tiles``
+the number of segments and ``P = min(S, programs per SM * SMs)``.
+
+At 128K tokens, one request, 32 query / 8 KV heads, ``Bk = Mt = 128`` on an
+H200 (132 SMs, 2 programs per SM, so ``P = 264``): ``Nb = 1024`` and
+``S = 8 * 4096 = 32768``, i.e. 1.08 MB of energies, 4.19 MB of keep bits and
+0.13 MB of counts: **5.4 MB in all** (see :meth:`IndexWorkspace.required_bytes`),
+about 75 times less than the published layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+#: Pooled keys per step of the fused pass; also the granule of the keep bits (two int32 words).
+CHUNK_BLOCKS = 64
+#: Bits per keep-bit word (int32 words).
+WORD_BITS = 32
+#: Persistent programs per streaming multiprocessor on CUDA.
+PROGRAMS_PER_SM = 2
+#: Persistent programs under the Triton interpreter (it runs programs one by one anyway).
+INTERPRETER_PROGRAMS = 8
+
+
+def words_per_segment(max_blocks: int) -> int:
+    """int32 keep-bit words per segment: ``ceil(max_blocks / 64)`` chunks of two words.
+
+    Args:
+        max_blocks: the largest number of key blocks of a request (``Nb``).
+
+    Returns:
+        Words per segment row of the keep bits (at least one chunk).
+    """
+    chunks = max(1, -(-max_blocks // CHUNK_BLOCKS))
+    return chunks * (CHUNK_BLOCKS // WORD_BITS)
+
+
+class WorkspaceViews(NamedTuple):
+    """The slices of an :class:`IndexWorkspace` one call uses.
+
+    Attributes:
+        energies: ``(P, Nb) float32`` log2 block energies, one row per persistent program.
+        keep_bits: ``(S, W) int32`` keep bits, one row per segment (``W`` from :func:`words_per_segment`).
+        counts: ``(S,) int32`` kept blocks per segment.
+    """
+
+    energies: torch.Tensor
+    keep_bits: torch.Tensor
+    counts: torch.Tensor
+
+
+class IndexWorkspace:
+    """Scratch buffers of the fused index stage, kept between calls and grown only when a call needs more.
+
+    Use one workspace per CUDA stream (calls on one stream are ordered, so they
+    may share it). The buffers never shrink; :attr:`nbytes` is therefore the
+    largest :meth:`required_bytes` of the calls seen so far.
+
+    Args:
+        device: device of the buffers; ``None`` adopts the device of the first call.
+        max_programs: cap on the persistent grid size ``P`` (``None``: 2 per SM on
+            CUDA, 8 under the Triton interpreter). Smaller means less scratch and
+            less parallelism.
+
+    Raises:
+        TypeError: ``max_programs`` is not a positive int.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, *, max_programs: int | None = None) -> None:
+        if max_programs is not None and (
+            isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1
+        ):
+            raise TypeError(f"max_programs must be a positive int or None, got {max_programs!r}")
+        self.device = torch.device(device) if device is not None else None
+        self.max_programs = max_programs
+        self._energies: torch.Tensor | None = None
+        self._keep_bits: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+
+    @staticmethod
+    def required_bytes(num_programs: int, max_blocks: int, num_segments: int) -> int:
+        """Bytes one call needs: ``P * Nb * 4 + S * W * 4 + S * 4``.
+
+        Args:
+            num_programs: persistent programs ``P``.
+            max_blocks: largest number of key blocks of a request ``Nb``.
+            num_segments: segments ``S = Hkv * tiles``.
+
+        Returns:
+            The size in bytes (``W = ceil(Nb / 64) * 2`` int32 words per segment).
+        """
+        return 4 * (num_programs * max(max_blocks, 1) + num_segments * words_per_segment(max_blocks) + num_segments)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes currently held by the buffers."""
+        return sum(
+            t.numel() * t.element_size() for t in (self._energies, self._keep_bits, self._counts) if t is not None
+        )
+
+    def num_programs(self, num_work: int, device: torch.device) -> int:
+        """Persistent grid size for ``num_work`` segments on ``device``.
+
+        Args:
+            num_work: segments to process.
+            device: where the kernel runs.
+
+        Returns:
+            ``min(num_work, cap)`` (at least 1), the cap from ``max_programs`` or the device.
+        """
+        if self.max_programs is not None:
+            cap = self.max_programs
+        elif device.type == "cuda":
+            cap = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            cap = INTERPRETER_PROGRAMS
+        return max(1, min(num_work, cap))
+
+    def reserve(self, *, num_programs: int, max_blocks: int, num_segments: int, device: torch.device) -> WorkspaceViews:
+        """Views sized for one call, growing the buffers when they are too small.
+
+        Args:
+            num_programs: persistent programs ``P``.
+            max_blocks: largest number of key blocks of a request ``Nb``.
+            num_segments: segments ``S``.
+            device: device of the call.
+
+        Returns:
+            The :class:`WorkspaceViews` of the call (contents undefined: the kernel writes before it reads).
+
+        Raises:
+            ValueError: the workspace lives on another device than the call.
+        """
+        device = torch.device(device)
+        if self.device is None:
+            self.device = device
+        elif not _same_device(self.device, device):
+            raise ValueError(f"IndexWorkspace lives on {self.device}, the call runs on {device}; use one per device")
+        row = max(max_blocks, 1)
+        words = words_per_segment(max_blocks)
+        self._energies = self._grow(self._energies, num_programs * row, torch.float32, device)
+        self._keep_bits = self._grow(self._keep_bits, num_segments * words, torch.int32, device)
+        self._counts = self._grow(self._counts, num_segments, torch.int32, device)
+        return WorkspaceViews(
+            energies=self._energies[: num_programs * row].view(num_programs, row),
+            keep_bits=self._keep_bits[: num_segments * words].view(num_segments, words),
+            counts=self._counts[:num_segments],
+        )
+
+    @staticmethod
+    def _grow(buf: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``buf`` if it holds ``numel`` elements, else a new buffer of exactly that capacity."""
+        if buf is not None and buf.numel() >= numel:
+            return buf
+        return torch.empty(max(numel, 1), dtype=dtype, device=device)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Device equality that treats ``cuda`` and ``cuda:<current>`` as the same device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
