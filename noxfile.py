@@ -47,17 +47,19 @@ def tests(session: nox.Session) -> None:
             "python", "-c", "from fpv2.kernel._native import library_path; print(library_path())", silent=True
         ).strip()
         session.run("python", "packages/fpv2-kernel/tools/check_symbols.py", library, env=env)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "--import-mode=importlib",
-        "-p",
-        "no:cacheprovider",
-        *(session.posargs or [f"{p}/tests" for p in PACKAGES]),
-        env=env,
-        success_codes=[0, 5],  # 5 = no test collected (e.g. a -k filter that matches nothing)
-    )
+    # One pytest per wheel: each tests/ folder is its own rootdir-relative import root.
+    for package in PACKAGES if not session.posargs else [None]:
+        targets = session.posargs or [f"{package}/tests"]
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            *targets,
+            env=env,
+            success_codes=[0, 5],  # 5 = nothing collected (e.g. a -k filter that matches nothing)
+        )
 
 
 @nox.session

@@ -1,0 +1,44 @@
+"""fpv2.serving: the sparse prefill pipeline, attention backends and the ``fpv2`` command line.
+
+The pipeline and backend names are exported lazily, so ``fpv2 info`` still
+starts (and reports the problem) when a sibling wheel cannot be imported.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fpv2.kernel._compat import check_siblings as _check_siblings
+
+from ._version import __version__
+
+_check_siblings("fpv2-serving")
+
+if TYPE_CHECKING:
+    from .backends import available_backends
+    from .pipeline import PrefillResult, SparsePrefillPipeline
+    from .timing import StageTimings
+
+_LAZY = {
+    "SparsePrefillPipeline": "pipeline",
+    "PrefillResult": "pipeline",
+    "StageTimings": "timing",
+    "available_backends": "backends",
+}
+
+__all__ = ["PrefillResult", "SparsePrefillPipeline", "StageTimings", "__version__", "available_backends"]
+
+
+def __getattr__(name: str) -> object:
+    """Import the exported names on first use (PEP 562)."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,290 @@
+"""Attention backends: who runs the (block-sparse) attention stage of the pipeline.
+
+A backend takes the prefill inputs, a block index and an optional correction
+plan, and returns the attention output. ``resolve_backend("auto")`` picks the
+available backend of highest priority; a backend the caller names explicitly
+is used or refused with its reason, never silently replaced by another.
+
+Registered here: ``hopper`` (the native Hopper kernel behind the C ABI) and
+``reference`` (the PyTorch reference of ``fpv2.kernel``; always available).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from fpv2.kernel import BlockIndex, CorrectionPlan, PagedPrefillBatch
+
+#: Name that asks for the best available backend.
+AUTO = "auto"
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """What the pipeline needs from an attention implementation."""
+
+    name: str
+
+    def available(self) -> tuple[bool, str]:
+        """Whether the backend can run here, and why (or why not)."""
+        ...
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        index: BlockIndex,
+        plan: CorrectionPlan | None,
+        *,
+        softmax_scale: float | None,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Block-sparse attention of validated inputs: ``(total_q, Hq, d)`` output."""
+        ...
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Element type of the attention output for inputs of ``dtype`` (FP8 inputs give bf16).
+
+    Args:
+        dtype: the Q/K/V element type.
+
+    Returns:
+        The output element type.
+    """
+    return torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+
+
+class ReferenceBackend:
+    """The PyTorch reference of ``fpv2.kernel`` (fp32 math), on whatever device the inputs are."""
+
+    name = "reference"
+
+    def available(self) -> tuple[bool, str]:
+        """Always available.
+
+        Returns:
+            ``(True, description)``.
+        """
+        return True, "PyTorch reference (fpv2.kernel.reference), fp32 math on the inputs' device"
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        index: BlockIndex,
+        plan: CorrectionPlan | None,
+        *,
+        softmax_scale: float | None,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run :func:`fpv2.kernel.reference.sparse.sparse_attention` and cast to the output dtype.
+
+        Args:
+            q: ``(total_q, Hq, d)`` packed queries.
+            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
+            v_cache: paged values, same shape as ``k_cache``.
+            batch: the batch metadata.
+            index: kept blocks per (request, KV head, tile).
+            plan: correction plan, or None for no correction.
+            softmax_scale: logit scale (None: ``1/sqrt(d)``).
+            q_descale: FP8 query descales ``(B, Hkv)`` or None.
+            k_descale: FP8 key descales or None.
+            v_descale: FP8 value descales or None.
+
+        Returns:
+            ``(total_q, Hq, d)`` output in :func:`output_dtype` of the inputs.
+        """
+        from fpv2.kernel.reference.sparse import sparse_attention
+
+        out = sparse_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch,
+            index,
+            plan=plan,
+            softmax_scale=softmax_scale,
+            compute_dtype=torch.float32,
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+        )
+        return out.to(output_dtype(q.dtype))
+
+
+class HopperBackend:
+    """The native Hopper (sm_90a) kernel, loaded through the C ABI of ``fpv2.kernel._native``."""
+
+    name = "hopper"
+
+    def available(self) -> tuple[bool, str]:
+        """Ask the native loader whether the Hopper kernel can run here.
+
+        Returns:
+            ``(ok, reason)`` from ``fpv2.kernel._native.hopper_available()``, or
+            ``(False, why the loader module is missing)``.
+        """
+        try:
+            from fpv2.kernel import _native
+        except ImportError as exc:
+            return False, f"fpv2.kernel._native cannot be imported ({exc})"
+        probe = getattr(_native, "hopper_available", None)
+        if probe is None:
+            return False, "fpv2.kernel._native provides no hopper_available() (incomplete kernel install?)"
+        try:
+            ok, reason = probe()
+        except Exception as exc:  # a broken loader must not take the registry down with it
+            return False, f"hopper_available() failed: {type(exc).__name__}: {exc}"
+        return bool(ok), str(reason)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        index: BlockIndex,
+        plan: CorrectionPlan | None,
+        *,
+        softmax_scale: float | None,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run ``fpv2.kernel._native.hopper_prefill`` into a fresh output tensor.
+
+        Args:
+            q: ``(total_q, Hq, d)`` packed queries.
+            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
+            v_cache: paged values, same shape as ``k_cache``.
+            batch: the batch metadata.
+            index: kept blocks per (request, KV head, tile).
+            plan: correction plan, or None for no correction.
+            softmax_scale: logit scale (None: ``1/sqrt(d)``).
+            q_descale: FP8 query descales ``(B, Hkv)`` or None.
+            k_descale: FP8 key descales or None.
+            v_descale: FP8 value descales or None.
+
+        Returns:
+            ``(total_q, Hq, d)`` output.
+        """
+        from fpv2.kernel._native import hopper_prefill
+
+        out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
+        return hopper_prefill(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            batch,
+            index=index,
+            plan=plan,
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            softmax_scale=0.0 if softmax_scale is None else float(softmax_scale),  # 0 selects 1/sqrt(d)
+        )
+
+
+# name -> (priority, backend); "auto" tries lower priorities first.
+_REGISTRY: dict[str, tuple[int, AttentionBackend]] = {}
+
+
+def register_backend(backend: AttentionBackend, *, priority: int) -> None:
+    """Add (or replace) a backend; ``auto`` tries backends in ascending ``priority``.
+
+    Args:
+        backend: an object satisfying :class:`AttentionBackend`.
+        priority: rank for ``auto`` (lower is tried first).
+
+    Raises:
+        TypeError: ``backend`` does not satisfy the protocol.
+        ValueError: its name is empty or ``"auto"``.
+    """
+    if not isinstance(backend, AttentionBackend):
+        raise TypeError(f"backend must provide name, available() and run(); got {type(backend).__name__}")
+    if not backend.name or backend.name == AUTO:
+        raise ValueError(f"backend name must be a non-empty string other than {AUTO!r}; got {backend.name!r}")
+    _REGISTRY[backend.name] = (priority, backend)
+
+
+def registered_backends() -> list[str]:
+    """Names of all registered backends, in ``auto`` order (available or not).
+
+    Returns:
+        The backend names.
+    """
+    return [name for name, _ in sorted(_REGISTRY.items(), key=lambda item: item[1][0])]
+
+
+def backend_status() -> dict[str, tuple[bool, str]]:
+    """Availability and reason of every registered backend, in ``auto`` order.
+
+    Returns:
+        ``{name: (available, reason)}``.
+    """
+    return {name: _REGISTRY[name][1].available() for name in registered_backends()}
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run here, in ``auto`` order.
+
+    Returns:
+        The available backend names (``reference`` is always among them).
+    """
+    return [name for name, (ok, _) in backend_status().items() if ok]
+
+
+def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
+    """The backend to use for ``name``.
+
+    Args:
+        name: ``"auto"`` (first available in priority order), a registered
+            name, or a backend object (checked for availability).
+
+    Returns:
+        The backend.
+
+    Raises:
+        TypeError: ``name`` is neither a string nor a backend.
+        ValueError: ``name`` is not registered (the message lists the names).
+        RuntimeError: the named backend is not available here (with its reason);
+            there is no silent fallback to another backend.
+    """
+    if isinstance(name, str):
+        if name == AUTO:
+            reasons = []
+            for candidate in registered_backends():
+                backend = _REGISTRY[candidate][1]
+                ok, why = backend.available()
+                if ok:
+                    return backend
+                reasons.append(f"{candidate}: {why}")
+            raise RuntimeError("no attention backend is available: " + "; ".join(reasons))
+        if name not in _REGISTRY:
+            names = ", ".join([AUTO, *registered_backends()])
+            raise ValueError(f"unknown attention backend {name!r}; choose one of: {names}")
+        backend = _REGISTRY[name][1]
+    elif isinstance(name, AttentionBackend):
+        backend = name
+    else:
+        raise TypeError(f"backend must be a name or an AttentionBackend; got {type(name).__name__}")
+    ok, why = backend.available()
+    if not ok:
+        raise RuntimeError(f"attention backend {backend.name!r} is not available: {why}")
+    return backend
+
+
+register_backend(HopperBackend(), priority=0)
+register_backend(ReferenceBackend(), priority=100)

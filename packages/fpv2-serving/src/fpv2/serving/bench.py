@@ -1,0 +1,416 @@
+"""``fpv2 bench``: time and check the sparse pipeline on a planted workload (protocol: BENCHMARKS.md).
+
+One run builds the planted (or needle) workload, computes the fp32 dense
+reference once, times the backend's own dense mode (the ``dense`` strategy),
+the torch SDPA baselines on CUDA, and the sparse pipeline for every alpha,
+then writes a results JSON, ``summary.json`` and a selection heatmap.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fpv2.index import SelectionConfig
+from fpv2.kernel.reference.attention import dense_attention
+from fpv2.kernel.testing import PlantedWorkload, planted_workload
+
+from .backends import resolve_backend
+from .baselines import sdpa_baselines
+from .environment import environment_record, git_commit, gpu_name
+from .heatmap import SelectionPanel, write_selection_heatmap
+from .metrics import dense_causal_flops, index_flops, relative_l2_error, select_rows, tflops
+from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline
+from .report import render_table, summary_record, write_json
+from .timing import StageTimings, median
+
+#: ``--dtype`` names and the element type of the timed inputs.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+#: How to read the numbers of a results file (written into it).
+RESULT_NOTES = (
+    "ms: median wall time; fpv2-sparse ms is the whole pipeline (index + correction plan + attention); "
+    "fpv2-dense ms is its attention stage (the dense mode needs no selection)",
+    "tflops: dense-equivalent 4 B Hq L^2 d / 2 / time, except fpv2-index rows (see tflops_basis)",
+    "rel_err: relative L2 error vs fp32 dense attention over all rows; needle_rel_err over the needle rows",
+    "density: kept / causally visible (tile, block) pairs, in selection blocks",
+)
+#: Fewest timed runs the protocol accepts on a GPU.
+MIN_GPU_REPEATS = 10
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one ``fpv2 bench`` run needs (the CLI fills device-dependent defaults)."""
+
+    batch: int
+    seqlen: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    alphas: tuple[float, ...]
+    fraction: float
+    margin: float
+    dtype: str
+    correction: bool
+    ablation: bool
+    strategy: str
+    backend: str
+    min_sparse_kv_len: int | None
+    repeats: int
+    warmup: int
+    seed: int
+    device: str
+    out: Path
+    heatmap_head: int
+    needle: bool
+    progress: bool = True
+
+    @property
+    def workload(self) -> str:
+        """Workload name of the records: ``planted`` or ``needle``."""
+        return "needle" if self.needle else "planted"
+
+    @property
+    def tag(self) -> str:
+        """File-name tag of this configuration."""
+        return (
+            f"{self.dtype}-B{self.batch}-L{self.seqlen}-Hq{self.q_heads}-Hkv{self.kv_heads}-d{self.head_dim}"
+            f"-p{self.page_size}-{self.workload}"
+        )
+
+    def corrections(self) -> tuple[bool, ...]:
+        """Correction settings to run for each alpha."""
+        return (True, False) if self.ablation else (self.correction,)
+
+
+@dataclass
+class BenchOutcome:
+    """What a bench run produced."""
+
+    rows: list[dict[str, object]]
+    summary: list[dict[str, object]]
+    results_path: Path
+    summary_path: Path
+    heatmap_path: Path | None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Inputs:
+    """The timed inputs (possibly FP8) next to the workload they came from."""
+
+    workload: PlantedWorkload
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    descales: dict[str, torch.Tensor]
+
+
+def _prepare_inputs(cfg: BenchConfig, device: torch.device) -> _Inputs:
+    """Build the workload; FP8 runs quantise a bf16 workload with per (request, KV head) descales."""
+    source = torch.bfloat16 if cfg.dtype == "fp8" else DTYPES[cfg.dtype]
+    wl = planted_workload(
+        [cfg.seqlen] * cfg.batch,
+        num_q_heads=cfg.q_heads,
+        num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        page_size=cfg.page_size,
+        fraction=cfg.fraction,
+        margin=cfg.margin,
+        needle=cfg.needle,
+        dtype=source,
+        device=device,
+        seed=cfg.seed,
+    )
+    if cfg.dtype != "fp8":
+        return _Inputs(wl, wl.q, wl.k_cache, wl.v_cache, {})
+    from fpv2.kernel.reference.fp8 import quantize_cache, quantize_queries
+
+    q8, qd = quantize_queries(wl.q, wl.batch, cfg.kv_heads)
+    k8, kd = quantize_cache(wl.k_cache, wl.batch)
+    v8, vd = quantize_cache(wl.v_cache, wl.batch)
+    return _Inputs(wl, q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd})
+
+
+def _timed_call(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Wall time of one call: CUDA events on a GPU, ``perf_counter`` on the (synchronous) CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)), result
+    t0 = time.perf_counter()
+    result = fn()
+    return (time.perf_counter() - t0) * 1e3, result
+
+
+def _measure(
+    fn: Callable[[], object], cfg: BenchConfig, device: torch.device, tick: Callable[[], None]
+) -> tuple[list[float], list[StageTimings], object]:
+    """Warm up, then time ``cfg.repeats`` calls; stage times are collected for pipeline results."""
+    samples: list[float] = []
+    stages: list[StageTimings] = []
+    result: object = None
+    for i in range(cfg.warmup + cfg.repeats):
+        result = None  # drop the previous output before the next call allocates its own
+        ms, result = _timed_call(fn, device)
+        if i >= cfg.warmup:
+            samples.append(ms)
+            if isinstance(result, PrefillResult):
+                stages.append(result.timings)
+        tick()
+    return samples, stages, result
+
+
+def _stage_medians(stages: list[StageTimings]) -> dict[str, float]:
+    return {
+        "index_ms": median([s.index_ms for s in stages]),
+        "correction_ms": median([s.correction_ms for s in stages]),
+        "attention_ms": median([s.attention_ms for s in stages]),
+    }
+
+
+def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console: object | None = None) -> BenchOutcome:
+    """Run one benchmark configuration and write its files under ``cfg.out``.
+
+    Args:
+        cfg: the configuration (validated by the CLI).
+        echo: where progress notes are printed.
+        console: a ``rich.console.Console`` for the final table (None: a new one on stdout).
+
+    Returns:
+        The :class:`BenchOutcome` (rows, summary records, written paths).
+
+    Raises:
+        ValueError: unknown strategy or backend.
+        RuntimeError: the named backend is not available.
+    """
+    from rich.console import Console
+    from tqdm import tqdm
+
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # timing events record on the current device
+    backend = resolve_backend(cfg.backend)
+    notes: list[str] = []
+    timer = "cuda-events" if device.type == "cuda" else "perf_counter"
+    if device.type != "cuda":
+        notes.append(
+            f"CPU run: {cfg.repeats} timed runs after {cfg.warmup} warm-up (perf_counter); CPU times check the "
+            "plumbing, they are not benchmark numbers"
+        )
+    elif cfg.repeats < MIN_GPU_REPEATS:
+        notes.append(f"only {cfg.repeats} timed runs: the protocol asks for >= {MIN_GPU_REPEATS}")
+    for note in notes:
+        echo(f"note: {note}")
+
+    echo(f"building the {cfg.workload} workload ({cfg.tag}, seed {cfg.seed}) on {device}")
+    inputs = _prepare_inputs(cfg, device)
+    wl, batch = inputs.workload, inputs.workload.batch
+    echo("computing the fp32 dense reference")
+    ref = dense_attention(wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), batch, compute_dtype=torch.float32)
+    needle_ref = select_rows(ref, batch, wl.needle_rows) if cfg.needle else None
+
+    lens = [cfg.seqlen] * cfg.batch
+    dense_flops = dense_causal_flops(lens, lens, cfg.q_heads, cfg.head_dim)
+    baselines, baseline_notes = (
+        sdpa_baselines(wl.q, wl.k_cache, wl.v_cache, batch) if device.type == "cuda" else ([], [])
+    )
+    for note in baseline_notes:
+        echo(f"note: {note}")
+    notes += baseline_notes
+
+    def config_for(alpha: float) -> SelectionConfig:
+        kwargs: dict[str, object] = {"alpha": alpha}
+        if cfg.min_sparse_kv_len is not None:
+            kwargs["min_sparse_kv_len"] = cfg.min_sparse_kv_len
+        return SelectionConfig(**kwargs)
+
+    sparse_runs = [(a, c) for a in cfg.alphas for c in cfg.corrections()]
+    total_runs = (cfg.warmup + cfg.repeats) * (1 + len(baselines) + len(sparse_runs))
+    bar = tqdm(total=total_runs, desc="fpv2 bench", unit="run", disable=not cfg.progress, mininterval=1.0)
+    commit, gpu = git_commit(), gpu_name(device)
+    common = {
+        "dtype": cfg.dtype,
+        "B": cfg.batch,
+        "L": cfg.seqlen,
+        "Hq": cfg.q_heads,
+        "Hkv": cfg.kv_heads,
+        "d": cfg.head_dim,
+        "page_size": cfg.page_size,
+        "workload": cfg.workload,
+        "commit": commit,
+        "gpu": gpu,
+        "backend": backend.name,
+        "timer": timer,
+        "repeats": cfg.repeats,
+    }
+
+    def needle_error(out: torch.Tensor) -> float | None:
+        if needle_ref is None or needle_ref.numel() == 0:
+            return None
+        return relative_l2_error(select_rows(out, batch, wl.needle_rows), needle_ref)
+
+    rows: list[dict[str, object]] = []
+    panels: list[SelectionPanel] = []
+    try:
+        # The backend's own dense mode: every visible block, no correction.
+        dense_pipe = SparsePrefillPipeline(
+            config_for(cfg.alphas[0]), strategy=DENSE_STRATEGY, correction=False, backend=backend
+        )
+        bar.set_postfix_str("fpv2 dense")
+        samples, stages, result = _measure(
+            lambda: dense_pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
+            cfg,
+            device,
+            bar.update,
+        )
+        assert isinstance(result, PrefillResult)
+        split = _stage_medians(stages)
+        dense_ms = split["attention_ms"]  # the dense mode needs no selection: time its attention stage
+        rows.append(
+            {
+                **common,
+                "impl": f"fpv2-dense/{backend.name}",
+                "strategy": DENSE_STRATEGY,
+                "alpha": None,
+                "correction": False,
+                "ms": dense_ms,
+                "pipeline_ms": median(samples),
+                "samples_ms": samples,
+                **split,
+                "density": float(result.index.density(batch)),
+                "rel_err": relative_l2_error(result.out, ref),
+                "needle_rel_err": needle_error(result.out),
+                "tflops": tflops(dense_flops, dense_ms),
+                "speedup": 1.0,
+            }
+        )
+        del result
+
+        for base in baselines:
+            bar.set_postfix_str(base.impl)
+            samples, _, out = _measure(base.call, cfg, device, bar.update)
+            assert isinstance(out, torch.Tensor)
+            packed = base.packed(out)
+            ms = median(samples)
+            rows.append(
+                {
+                    **common,
+                    "impl": base.impl,
+                    "dtype": "bf16" if base.dtype == torch.bfloat16 else "fp16",
+                    "backend": "torch-sdpa",
+                    "sdpa_note": base.note,
+                    "strategy": None,
+                    "alpha": None,
+                    "correction": False,
+                    "ms": ms,
+                    "samples_ms": samples,
+                    "index_ms": None,
+                    "density": None,
+                    "rel_err": relative_l2_error(packed, ref),
+                    "needle_rel_err": needle_error(packed),
+                    "tflops": tflops(dense_flops, ms),
+                    "speedup": dense_ms / ms if ms > 0 else None,
+                }
+            )
+            del out, packed
+
+        for alpha, correction in sparse_runs:
+            pipe = SparsePrefillPipeline(
+                config_for(alpha), strategy=cfg.strategy, correction=correction, backend=backend
+            )
+            bar.set_postfix_str(f"alpha={alpha:g} correction={'on' if correction else 'off'}")
+            samples, stages, result = _measure(
+                lambda pipe=pipe: pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
+                cfg,
+                device,
+                bar.update,
+            )
+            assert isinstance(result, PrefillResult)
+            split = _stage_medians(stages)
+            ms = median(samples)
+            density = float(result.index.density(batch))
+            row = {
+                **common,
+                "impl": f"fpv2-sparse/{backend.name}",
+                "strategy": cfg.strategy,
+                "alpha": alpha,
+                "correction": correction,
+                "ms": ms,
+                "samples_ms": samples,
+                **split,
+                "density": density,
+                "rel_err": relative_l2_error(result.out, ref),
+                "needle_rel_err": needle_error(result.out),
+                "tflops": tflops(dense_flops, ms),
+                "speedup": dense_ms / ms if ms > 0 else None,
+                "dense_scaled_ms": density * dense_ms,
+            }
+            rows.append(row)
+            rows.append(
+                {
+                    **common,
+                    "impl": "fpv2-index",
+                    "strategy": cfg.strategy,
+                    "alpha": alpha,
+                    "correction": correction,
+                    "ms": split["index_ms"],
+                    "index_ms": split["index_ms"],
+                    "density": density,
+                    "rel_err": None,
+                    "tflops": tflops(
+                        index_flops(lens, lens, cfg.q_heads, cfg.head_dim, result.index.block_size), split["index_ms"]
+                    ),
+                    "tflops_basis": "index scoring FLOPs (2 Hq Lq Lk d / Bk / 2), not dense-equivalent",
+                }
+            )
+            panels.append(
+                SelectionPanel(
+                    f"alpha={alpha:g}, correction {'on' if correction else 'off'}, density {density:.3f}", result.index
+                )
+            )
+            del result
+    finally:
+        bar.close()
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    heatmap_path = None
+    if panels:
+        planted = wl.planted_blocks[0][cfg.heatmap_head]
+        heatmap_path = write_selection_heatmap(
+            cfg.out / f"selection-{cfg.tag}.png",
+            panels,
+            batch,
+            kv_head=cfg.heatmap_head,
+            planted=planted,
+            title=f"kept blocks of request 0, KV head {cfg.heatmap_head}\n{cfg.tag}, strategy {cfg.strategy}",
+        )
+    summary = [summary_record(row) for row in rows]
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    payload = {
+        "schema": "fpv2-bench/1",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **environment_record(),
+        "gpu": gpu,
+        "device": str(device),
+        "config": config,
+        "notes": [*notes, *RESULT_NOTES],
+        "rows": rows,
+    }
+    results_path = write_json(cfg.out / f"bench-{cfg.tag}.json", payload)
+    summary_path = write_json(cfg.out / "summary.json", summary)
+    # A log is not a terminal: give the table room instead of rich's 80-column default.
+    shown = console if console is not None else Console(width=max(140, shutil.get_terminal_size().columns))
+    shown.print(render_table(rows, title=f"fpv2 bench {cfg.tag} on {gpu} ({timer})"))  # type: ignore[attr-defined]
+    shown.print(f"wrote {results_path}, {summary_path}" + (f", {heatmap_path}" if heatmap_path else ""))  # type: ignore[attr-defined]
+    return BenchOutcome(rows, summary, results_path, summary_path, heatmap_path, notes)

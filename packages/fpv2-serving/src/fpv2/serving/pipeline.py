@@ -1,0 +1,178 @@
+"""The sparse prefill pipeline: statistics -> block index -> correction plan -> attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fpv2.correction import build_correction_plan, compute_block_statistics
+from fpv2.index import SelectionConfig, available_strategies, build_block_index
+from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch, validate_prefill_inputs
+
+from .backends import AUTO, AttentionBackend, resolve_backend
+from .timing import StageClock, StageTimings
+
+#: The strategy that keeps every causally visible block (the dense mode).
+DENSE_STRATEGY = "dense"
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillResult:
+    """Output of one pipeline call and what produced it.
+
+    Attributes:
+        out: ``(total_q, Hq, d)`` attention output.
+        index: the block index the attention walked.
+        plan: the correction plan, or None when the correction is off.
+        statistics: pooled K/V shared by the index and the correction (None when
+            neither needed them).
+    """
+
+    out: torch.Tensor
+    index: BlockIndex
+    plan: CorrectionPlan | None
+    statistics: BlockStatistics | None = None
+    clock: StageClock | None = field(default=None, repr=False)
+
+    @property
+    def timings(self) -> StageTimings:
+        """Per-stage wall times of this call (reading them synchronises on CUDA, once).
+
+        Returns:
+            The :class:`StageTimings`.
+
+        Raises:
+            RuntimeError: the result was built without a clock.
+        """
+        if self.clock is None:
+            raise RuntimeError("this PrefillResult carries no timings")
+        return self.clock.timings()
+
+
+class SparsePrefillPipeline:
+    """Block-sparse prefill attention over a paged KV cache, stage by stage.
+
+    One call pools K and V per key block once (shared by the index and the
+    correction), builds the block index with the selection ``strategy``, builds
+    the correction plan (unless ``correction=False``) and runs the attention
+    backend.
+
+    Args:
+        config: selection parameters (None: :class:`fpv2.index.SelectionConfig` defaults).
+        strategy: a name from :func:`fpv2.index.available_strategies`;
+            ``"dense"`` keeps every visible block (the dense mode).
+        correction: add the mean correction for pruned blocks.
+        backend: ``"auto"``, a backend name, or a backend object (see
+            :func:`fpv2.serving.backends.resolve_backend`).
+
+    Raises:
+        TypeError: ``config`` is not a SelectionConfig or ``correction`` not a bool.
+        ValueError: unknown strategy or backend name.
+        RuntimeError: the named backend is not available here.
+    """
+
+    def __init__(
+        self,
+        config: SelectionConfig | None = None,
+        *,
+        strategy: str = "max_threshold",
+        correction: bool = True,
+        backend: str | AttentionBackend = AUTO,
+    ) -> None:
+        if config is None:
+            config = SelectionConfig()
+        if not isinstance(config, SelectionConfig):
+            raise TypeError(f"config must be a fpv2.index.SelectionConfig; got {type(config).__name__}")
+        strategies = list(available_strategies())
+        if strategy not in strategies:
+            raise ValueError(f"unknown selection strategy {strategy!r}; choose one of: {', '.join(strategies)}")
+        if not isinstance(correction, bool):
+            raise TypeError(f"correction must be a bool; got {type(correction).__name__}")
+        self.config = config
+        self.strategy = strategy
+        self.correction = correction
+        self.backend = resolve_backend(backend)
+
+    def __repr__(self) -> str:
+        return (
+            f"SparsePrefillPipeline(strategy={self.strategy!r}, correction={self.correction}, "
+            f"backend={self.backend.name!r}, config={self.config!r})"
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        *,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+        v_descale: torch.Tensor | None = None,
+    ) -> PrefillResult:
+        """Run the pipeline on one prefill batch.
+
+        Args:
+            q: ``(total_q, Hq, d)`` packed queries.
+            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
+            v_cache: paged values, same shape as ``k_cache``.
+            batch: the batch metadata.
+            q_descale: ``(B, Hkv) float32`` FP8 query descales (FP8 inputs only).
+            k_descale: FP8 key descales.
+            v_descale: FP8 value descales.
+
+        Returns:
+            The :class:`PrefillResult` (output, index, plan, timings).
+
+        Raises:
+            TypeError, ValueError: invalid inputs (named, with shape and dtype).
+        """
+        shapes = validate_prefill_inputs(
+            q, k_cache, v_cache, batch, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale
+        )
+        clock = StageClock(q.device)
+        clock.mark("start")
+        statistics = None
+        if self.correction or self.strategy != DENSE_STRATEGY:
+            # Pooled K serves the index, pooled V the correction: one pass for both.
+            statistics = compute_block_statistics(
+                k_cache,
+                v_cache,
+                batch,
+                block_size=self.config.block_size,
+                k_descale=k_descale,
+                v_descale=v_descale,
+            )
+        index = build_block_index(
+            q,
+            k_cache,
+            batch,
+            config=self.config,
+            strategy=self.strategy,
+            statistics=statistics,
+            q_descale=q_descale,
+            k_descale=k_descale,
+        )
+        if index.group != shapes.group or index.num_kv_heads != shapes.num_kv_heads:
+            raise ValueError(
+                f"strategy {self.strategy!r} built an index for group {index.group} and {index.num_kv_heads} KV "
+                f"heads; the inputs have group {shapes.group} and {shapes.num_kv_heads} KV heads"
+            )
+        clock.mark("index")
+        plan = build_correction_plan(index, statistics, batch) if self.correction else None
+        clock.mark("correction")
+        out = self.backend.run(
+            q,
+            k_cache,
+            v_cache,
+            batch,
+            index,
+            plan,
+            softmax_scale=self.config.scale_for(shapes.head_dim),
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+        )
+        clock.mark("attention")
+        return PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)

@@ -1,0 +1,156 @@
+"""The ``fpv2`` command line: ``info``, ``bench`` on a tiny CPU input, and argument errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fpv2.serving import backends as registry
+from fpv2.serving import cli
+from fpv2.serving.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY = ["-B", "1", "-L", "1024", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "fp32"]
+TINY_RUN = [*TINY, "--device", "cpu", "--repeats", "2", "--warmup", "0", "--min-sparse-kv-len", "0", "--no-progress"]
+# The protocol's keys and JSON types, written out here independently of fpv2.serving.report.
+REQUIRED = {
+    "impl": str,
+    "dtype": str,
+    "B": int,
+    "L": int,
+    "Hq": int,
+    "Hkv": int,
+    "d": int,
+    "page_size": int,
+    "workload": str,
+    "ms": float,
+    "index_ms": (float, type(None)),
+    "correction": bool,
+    "density": (float, type(None)),
+    "rel_err": (float, type(None)),
+    "tflops": float,
+    "commit": str,
+    "gpu": str,
+}
+
+
+def test_info_names_every_component(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for word in ("fpv2-kernel", "fpv2-index", "fpv2-correction", "fpv2-serving", "native library", "torch", "triton"):
+        assert word in out, word
+    assert torch.__version__ in out
+    assert ("no GPU" in out) != torch.cuda.is_available()
+    assert "reference: available" in out
+    assert "hopper:" in out
+    assert "max_threshold" in out and "dense" in out
+
+
+def test_bench_tiny_cpu_writes_results_summary_and_png(tmp_path, capsys):
+    code = main(["bench", *TINY_RUN, "--alpha", "0.1", "--alpha", "0.3", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "fpv2-sparse/reference" in captured.out  # the table
+
+    results = sorted(tmp_path.glob("bench-*.json"))
+    assert len(results) == 1
+    payload = json.loads(results[0].read_text())
+    assert payload["config"]["seqlen"] == 1024 and payload["config"]["alphas"] == [0.1, 0.3]
+    assert set(payload["wheels"]) == {"fpv2-kernel", "fpv2-index", "fpv2-correction", "fpv2-serving"}
+    assert payload["torch"] == torch.__version__ and "commit" in payload and "machine" in payload
+    assert any("CPU run" in note for note in payload["notes"])
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert isinstance(summary, list) and len(summary) == len(payload["rows"]) == 5
+    for record in summary:
+        for key, types in REQUIRED.items():
+            assert key in record, key
+            assert isinstance(record[key], types), (key, record[key])
+            if types is int:
+                assert not isinstance(record[key], bool), key
+        assert (record["B"], record["L"], record["Hq"], record["Hkv"], record["d"]) == (1, 1024, 4, 2, 64)
+        assert record["dtype"] == "fp32" and record["workload"] == "planted" and record["gpu"] == "cpu"
+        assert record["ms"] > 0
+    impls = [r["impl"] for r in summary]
+    assert impls.count("fpv2-dense/reference") == 1
+    assert impls.count("fpv2-sparse/reference") == 2 and impls.count("fpv2-index") == 2
+    dense = next(r for r in summary if r["impl"] == "fpv2-dense/reference")
+    assert dense["density"] == pytest.approx(1.0) and dense["rel_err"] < 1e-5
+    sparse = [r for r in summary if r["impl"] == "fpv2-sparse/reference"]
+    assert [r["alpha"] for r in sparse] == [0.1, 0.3]
+    for r in sparse:
+        assert 0.0 < r["density"] <= 1.0 and r["correction"] is True and r["index_ms"] > 0
+        assert r["rel_err"] < 0.2
+    # A larger alpha keeps no more blocks.
+    assert sparse[1]["density"] <= sparse[0]["density"]
+
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert len(pngs) == 1
+    assert pngs[0].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_needle_and_ablation(tmp_path, capsys):
+    code = main(["bench", *TINY_RUN, "--needle", "--ablation", "--repeats", "1", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["rows"]
+    sparse = [r for r in rows if r["impl"] == "fpv2-sparse/reference"]
+    assert [r["correction"] for r in sparse] == [True, False]
+    assert all(r["workload"] == "needle" and isinstance(r["needle_rel_err"], float) for r in sparse)
+    # Same selection, so the correction is the only difference between the two outputs.
+    assert sparse[0]["density"] == sparse[1]["density"] and sparse[0]["rel_err"] != sparse[1]["rel_err"]
+
+
+def test_cpu_defaults_are_small_and_announced():
+    parser, _ = cli._build_parser()
+    config, notices = cli._bench_config(parser.parse_args(["bench", "--device", "cpu"]))
+    assert (config.batch, config.seqlen, config.q_heads, config.kv_heads, config.head_dim) == (1, 4096, 8, 2, 64)
+    assert config.dtype == "fp32" and config.min_sparse_kv_len == 0 and config.repeats < 10
+    assert notices and "no GPU" in notices[0]
+    # Explicit sizes are honoured and silence the notice.
+    config, notices = cli._bench_config(
+        parser.parse_args(["bench", "--device", "cpu", "-L", "2048", "--dtype", "bf16"])
+    )
+    assert config.seqlen == 2048 and config.dtype == "bf16" and config.q_heads == 8 and not notices
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "--q-heads", "6", "--kv-heads", "4"], "multiple of --kv-heads"),
+        (["bench", "--alpha", "0"], "--alpha must lie in"),
+        (["bench", "--alpha", "1.5"], "--alpha must lie in"),
+        (["bench", "--head-dim", "100"], "--head-dim must be one of"),
+        (["bench", "-L", "0"], "--seqlen must be >= 1"),
+        (["bench", "--fraction", "0"], "--fraction"),
+        (["bench", "--heatmap-head", "2", "--kv-heads", "2"], "--heatmap-head"),
+        (["bench", "--backend", "nope"], "choose one of: auto, hopper, reference"),
+        (["bench", "--strategy", "nope"], "--strategy 'nope' is unknown"),
+        (["bench", "--no-correction", "--ablation"], "exclude each other"),
+        (["bench", "--dtype", "int8"], "invalid choice"),
+        (["bench", "-L", "many"], "invalid int value"),
+        (["bench", "--device", "tpu:0"], "--device"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(args, message, capsys, tmp_path):
+    assert main([*args, "--out", str(tmp_path)] if args and args[0] == "bench" else args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_device_without_cuda_exits_2(capsys):
+    assert main(["bench", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_named_unavailable_backend_exits_1(capsys, tmp_path):
+    ok, _ = registry.HopperBackend().available()
+    if ok:
+        pytest.skip("the Hopper kernel is available here")
+    assert main(["bench", *TINY_RUN, "--backend", "hopper", "--out", str(tmp_path)]) == 1
+    assert "'hopper' is not available" in capsys.readouterr().err

@@ -1,0 +1,54 @@
+"""GPU checks of the pipeline and the bench command (run by scripts/device_check.sh)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fpv2.index import SelectionConfig
+from fpv2.kernel.reference.attention import dense_attention
+from fpv2.kernel.testing import planted_workload
+from fpv2.serving import SparsePrefillPipeline
+from fpv2.serving.backends import resolve_backend
+from fpv2.serving.cli import main
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def test_pipeline_on_cuda_matches_dense_and_times_with_events():
+    wl = planted_workload(
+        [4096, 2048], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16, device="cuda"
+    )
+    ref = dense_attention(wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), wl.batch)
+    dense = SparsePrefillPipeline(strategy="dense", correction=False)(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    assert dense.out.device.type == "cuda" and dense.out.dtype == torch.bfloat16
+    assert rel_err(dense.out, ref) < 1e-2
+    sparse = SparsePrefillPipeline(SelectionConfig(min_sparse_kv_len=0))(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    assert sparse.index.density(wl.batch) < 1.0
+    assert rel_err(sparse.out, ref) < 0.1
+    t = sparse.timings
+    assert t.index_ms > 0 and t.attention_ms > 0 and t.correction_ms >= 0
+
+
+def test_bench_on_cuda_writes_records_with_baselines(tmp_path, capsys):
+    args = ["bench", "-L", "4096", "--q-heads", "8", "--kv-heads", "2", "--head-dim", "128", "--dtype", "bf16"]
+    args += ["--device", "cuda", "--repeats", "3", "--warmup", "1", "--min-sparse-kv-len", "0", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    impls = {r["impl"] for r in summary}
+    backend = resolve_backend("auto").name
+    assert {f"fpv2-dense/{backend}", f"fpv2-sparse/{backend}", "fpv2-index", "torch-sdpa-flash"} <= impls
+    assert all(r["gpu"] != "cpu" and r["ms"] > 0 for r in summary)
+    for r in summary:
+        if r["impl"].startswith("torch-sdpa"):
+            assert r["rel_err"] < 2e-2, r
+    assert (next(tmp_path.glob("*.png"))).read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,114 @@
+"""The sparse prefill pipeline against the independent dense reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fpv2.index import SelectionConfig
+from fpv2.kernel.reference.attention import dense_attention
+from fpv2.kernel.reference.fp8 import quantize_cache, quantize_queries
+from fpv2.kernel.testing import planted_workload
+from fpv2.serving import PrefillResult, SparsePrefillPipeline, StageTimings
+
+# Small sinks and windows so that a 2K-token request has blocks to prune.
+SPARSE = SelectionConfig(alpha=0.1, sink_tokens=128, window_tokens=128, min_sparse_kv_len=0)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """One request of 2048 tokens, 4 query heads over 2 KV heads, paged by 16, fp32."""
+    wl = planted_workload(
+        [2048], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, fraction=0.05, seed=1, dtype=torch.float32
+    )
+    ref = dense_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    return wl, ref
+
+
+def test_dense_strategy_equals_dense_attention_varlen_prefix():
+    # Two requests, the second on top of a 200-token cached prefix, page size 16: every
+    # visible block kept, so the pipeline must reproduce dense causal attention.
+    wl = planted_workload(
+        [300, 500], [300, 700], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32, seed=3
+    )
+    ref = dense_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    for correction in (False, True):
+        pipe = SparsePrefillPipeline(strategy="dense", correction=correction, backend="reference")
+        result = pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+        assert isinstance(result, PrefillResult)
+        assert result.out.dtype == torch.float32 and result.out.shape == wl.q.shape
+        assert result.index.density(wl.batch) == pytest.approx(1.0)
+        torch.testing.assert_close(result.out, ref, rtol=1e-5, atol=1e-5)
+        assert (result.plan is not None) == correction
+
+
+def test_planted_workload_is_sparse_and_accurate(planted):
+    wl, ref = planted
+    result = SparsePrefillPipeline(SPARSE, backend="reference")(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    density = result.index.density(wl.batch)
+    assert 0.0 < density < 0.8
+    assert rel_err(result.out, ref) < 0.05
+    # Every planted block must survive selection in the last tile of each KV head, which sees them all.
+    last_tile = result.index.tile_offsets[1].item() - 1
+    for h in range(2):
+        kept = set(result.index.kept_blocks(0, h, last_tile))
+        planted_ids = torch.nonzero(wl.planted_blocks[0][h]).flatten().tolist()
+        assert set(planted_ids) <= kept
+
+
+def test_correction_changes_output_and_reduces_error(planted):
+    wl, ref = planted
+    on = SparsePrefillPipeline(SPARSE, correction=True, backend="reference")(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    off = SparsePrefillPipeline(SPARSE, correction=False, backend="reference")(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    assert off.plan is None and on.plan is not None
+    # The same selection, different outputs: the pruned blocks' mass is added back.
+    assert torch.equal(on.index.blocks, off.index.blocks)
+    assert (on.out - off.out).abs().max().item() > 1e-3
+    assert rel_err(on.out, ref) < rel_err(off.out, ref)
+    # One pooling serves the index and the correction.
+    assert on.plan.statistics is on.statistics
+    assert on.statistics.pooled_v is not None
+
+
+def test_timings_are_per_stage_and_nonnegative(planted):
+    wl, _ = planted
+    result = SparsePrefillPipeline(SPARSE, backend="reference")(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    t = result.timings
+    assert isinstance(t, StageTimings)
+    assert min(t.index_ms, t.correction_ms, t.attention_ms) >= 0.0
+    assert t.attention_ms > 0.0
+    assert t.total_ms == pytest.approx(t.index_ms + t.correction_ms + t.attention_ms)
+    assert result.timings is t  # resolved once
+
+
+def test_fp8_inputs_give_bf16_output_close_to_fp32_dense():
+    wl = planted_workload(
+        [1024], num_q_heads=4, num_kv_heads=2, head_dim=64, fraction=0.05, seed=2, dtype=torch.bfloat16
+    )
+    ref = dense_attention(wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), wl.batch)
+    q8, qd = quantize_queries(wl.q, wl.batch, 2)
+    k8, kd = quantize_cache(wl.k_cache, wl.batch)
+    v8, vd = quantize_cache(wl.v_cache, wl.batch)
+    pipe = SparsePrefillPipeline(SPARSE, backend="reference")
+    result = pipe(q8, k8, v8, wl.batch, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert result.out.dtype == torch.bfloat16
+    assert rel_err(result.out, ref) < 0.1
+    with pytest.raises(ValueError, match="q_descale"):
+        pipe(q8, k8, v8, wl.batch, k_descale=kd, v_descale=vd)
+
+
+def test_bad_inputs_and_arguments_are_named(planted):
+    wl, _ = planted
+    pipe = SparsePrefillPipeline(SPARSE, backend="reference")
+    with pytest.raises(TypeError, match="q"):
+        pipe(wl.q.to(torch.int32), wl.k_cache, wl.v_cache, wl.batch)
+    with pytest.raises(ValueError, match="q must hold"):
+        pipe(wl.q[:-1], wl.k_cache, wl.v_cache, wl.batch)
+    with pytest.raises(ValueError, match="strategy"):
+        SparsePrefillPipeline(strategy="top_k_does_not_exist")
+    with pytest.raises(TypeError, match="config"):
+        SparsePrefillPipeline({"alpha": 0.1})  # type: ignore[arg-type]
