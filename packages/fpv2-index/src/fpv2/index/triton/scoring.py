@@ -8,27 +8,30 @@ program:
    ``r // g`` of query head ``h * g + r % g``; with ``probe_stride = s`` only
    rows ``0, s, 2s, ...`` of the tile);
 2. walks the scored pooled keys ``J < num_scored`` once, in chunks of
-   :data:`~.workspace.CHUNK_BLOCKS`: logits in log2 units with the scale (and
-   the FP8 query descale) folded in, row ``r`` contributing to ``J`` only when
-   ``J * Bk <= prefix + p_r``; one running tile maximum ``M``; for each block
-   of the chunk ``L_J = M_c + log2(sum_r 2^(s_rJ - M_c))`` with ``M_c`` the
-   running maximum after the chunk, written to the program's workspace row,
-   and the running maximum ``L_max`` of those;
+   :data:`~.workspace.CHUNK_BLOCKS`: logits ``s_rJ`` in log2 units with the
+   scale (and the FP8 query descale) folded in, row ``r`` contributing to
+   ``J`` only when ``J * Bk <= prefix + p_r``; for every block of the chunk
+   its log2 energy ``L_J = log2(sum_r 2^s_rJ)`` goes to the program's
+   workspace row, and a running maximum ``L_max`` is kept;
 3. walks the visible blocks once more, reading ``L_J`` back: keeps ``J`` when
-   ``E_J = 2^(L_J - M) >= alpha * 2^(L_max - M)`` (exactly the reference's
-   ``E_J >= alpha * max E`` with energies relative to the final tile maximum),
+   ``2^(L_J - L_max) >= alpha``, i.e. the reference's ``E_J >= alpha * max E``,
    or when it is forced (sink, window, diagonal band) or the tile is dense;
    writes the keep bits (one bit per block, two int32 words per chunk) and the
    segment's count.
 
-Storing ``L_J`` in log2 units is the "rescale earlier chunks when ``M`` grows"
-of the online pass done lazily: a block's energy is final once its chunk is
-scored (every row of the tile sees it there), so instead of multiplying all
-earlier energies by ``2^(M_old - M_new)`` at every growth of ``M``, each block
-keeps the offset of the maximum it was accumulated against and the single
-rescale ``2^(L_J - M)`` happens in step 3. No logit matrix, no sort, no
-``L x L/B`` buffer: the only state is ``M``, ``L_max`` and one row of ``Nb``
-floats per program.
+Relation to the reference's online pass (one running tile maximum ``M`` and
+``E_J = sum_r 2^(s_rJ - M)``, earlier chunks rescaled when ``M`` grows): the
+selection rule only uses ratios ``E_J / max E``, in which any common factor
+``2^-M`` cancels. A block's energy is complete once its chunk is scored (every
+row of the tile meets it there), so instead of rescaling earlier chunks the
+kernel stores each energy in log2 units, ``L_J = log2 E_J + M``, computed
+against the block's own row maximum: the same numbers without underflow, and
+with the maxima and sums of a chunk reduced within warps (logits are laid out
+(block, row)), so the loop body has no cross-warp reduction. The only state
+is ``L_max`` and one row of ``Nb`` floats per program: no logit matrix, no
+sort, no ``L x L/B`` buffer. Results differ from the reference only by
+rounding (and for ``alpha`` below ``2^-126``, where the reference's energies
+underflow).
 
 Dot precision: fp16 and fp32 queries score with their own dtype (fp32 in
 IEEE mode); bf16 queries score in bf16 on GPUs and in fp32 under the Triton
@@ -58,21 +61,21 @@ LOG2E = math.log2(math.e)
 DOT_FP32, DOT_FP16, DOT_BF16 = 0, 1, 2
 _DOT_DTYPES = {DOT_FP32: torch.float32, DOT_FP16: torch.float16, DOT_BF16: torch.bfloat16}
 
-#: Launch knobs of the fused kernel on GPUs (``None`` warps: 8 for 128x128 query tiles, else 4).
-SCORE_NUM_WARPS: int | None = None
+#: Launch knobs of the fused kernel on GPUs. Measured on an H200 (one 128K request, 32/8 heads, d 128,
+#: bf16, 2 programs per SM): 4 warps 3.3 ms, 8 warps 5.0 ms; 3 stages or 4-8 programs per SM change < 3%.
+SCORE_NUM_WARPS = 4
 SCORE_NUM_STAGES = 2
 
 
 @triton.jit
 def _score_chunk(
-    q,
+    q_t,
     keys_row,
     energies_row,
     c0,
     num_candidates,
     positions,
     scale,
-    tile_max,
     energy_max,
     stride_pk_block,
     head_dim,
@@ -81,7 +84,11 @@ def _score_chunk(
     BLOCK_D: tl.constexpr,
     DOT_KIND: tl.constexpr,
 ):
-    """One chunk of pass 1: logits of pooled keys ``c0 .. c0 + BLOCK_N - 1``, their log2 energies, the maxima."""
+    """One chunk of pass 1: log2 energies of pooled keys ``c0 .. c0 + BLOCK_N - 1`` and the running maxima.
+
+    Logits are laid out (block, row), so the per-block maximum and sum over rows
+    are reductions within a warp: the loop body has no cross-warp reduction.
+    """
     ids = c0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     id_ok = ids < num_candidates
@@ -91,17 +98,17 @@ def _score_chunk(
         other=0.0,
     )
     if DOT_KIND == 0:
-        logits = tl.dot(q, tl.trans(kbar), input_precision="ieee")
+        logits = tl.dot(kbar, q_t, input_precision="ieee")
     else:
-        logits = tl.dot(q, tl.trans(kbar))
-    contributes = id_ok[None, :] & (ids[None, :] * BLOCK_SIZE <= positions[:, None])
+        logits = tl.dot(kbar, q_t)
+    contributes = id_ok[:, None] & (ids[:, None] * BLOCK_SIZE <= positions[None, :])
     logits = tl.where(contributes, logits * scale, float("-inf"))
-    tile_max = tl.maximum(tile_max, tl.max(tl.max(logits, axis=1), axis=0))
-    offset = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-    energy = offset + tl.log2(tl.sum(tl.exp2(logits - offset), axis=0))  # -inf when nothing contributes
+    block_max = tl.max(logits, axis=1)
+    offset = tl.where(block_max == float("-inf"), 0.0, block_max)
+    # log2(sum_r 2^s_rJ), offset by the block's own maximum so nothing underflows; -inf when no row contributes.
+    energy = offset + tl.log2(tl.sum(tl.exp2(logits - offset[:, None]), axis=1))
     tl.store(energies_row + ids, energy, mask=id_ok)
-    energy_max = tl.maximum(energy_max, tl.max(tl.where(id_ok, energy, float("-inf")), axis=0))
-    return tile_max, energy_max
+    return tl.maximum(energy_max, tl.where(id_ok, energy, float("-inf")))
 
 
 @triton.jit
@@ -199,22 +206,21 @@ def _score_select_kernel(
         if HAS_Q_DESCALE:
             scale = scale_log2 * tl.load(q_descale_ptr + b * num_kv_heads + head)
 
-        # ---- pass 1: one walk over the candidate pooled keys, running tile max, log2 energies
+        # ---- pass 1: one walk over the candidate pooled keys; log2 energies to the workspace row
+        q_t = tl.trans(q)
         keys_row = pooled_k_ptr + block_base.to(tl.int64) * stride_pk_block + head * stride_pk_head
-        tile_max = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
-        energy_max = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
+        energy_max = tl.full([BLOCK_N], float("-inf"), tl.float32)  # per lane; reduced once after the walk
         if USE_WHILE:  # the interpreter cannot take loaded values as range() bounds
             c0 = num_candidates * 0
             while c0 < num_candidates:
-                tile_max, energy_max = _score_chunk(
-                    q,
+                energy_max = _score_chunk(
+                    q_t,
                     keys_row,
                     energies_row,
                     c0,
                     num_candidates,
                     positions,
                     scale,
-                    tile_max,
                     energy_max,
                     stride_pk_block,
                     head_dim,
@@ -226,15 +232,14 @@ def _score_select_kernel(
                 c0 += BLOCK_N
         else:  # a range() loop, so Triton pipelines the pooled-key loads
             for c0 in range(0, num_candidates, BLOCK_N):
-                tile_max, energy_max = _score_chunk(
-                    q,
+                energy_max = _score_chunk(
+                    q_t,
                     keys_row,
                     energies_row,
                     c0,
                     num_candidates,
                     positions,
                     scale,
-                    tile_max,
                     energy_max,
                     stride_pk_block,
                     head_dim,
@@ -243,15 +248,15 @@ def _score_select_kernel(
                     BLOCK_D,
                     DOT_KIND,
                 )
+        peak_log2 = tl.max(energy_max, axis=0)  # log2 of max_J E_J; -inf when nothing was scored
         # Pass 2 reads energies other threads of this program wrote.
         tl.debug_barrier()
 
         # ---- pass 2: threshold, forced blocks, dense fallback -> keep bits and count
-        offset = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-        peak = tl.exp2(energy_max - offset)  # 0 when nothing was scored
-        # +inf when nothing was scored (the reference's ``peak > 0``); a scalar where, not a scalar-bool
-        # broadcast, which the Triton 3.6 interpreter mistypes.
-        threshold = tl.where(peak > 0, alpha * peak, float("inf"))
+        # E_J >= alpha * max E  <=>  2^(log2 E_J - log2 max E) >= alpha; never when nothing was scored (the
+        # reference's ``peak > 0``). A scalar where, not a scalar-bool broadcast, which the interpreter mistypes.
+        threshold = tl.where(peak_log2 == float("-inf"), float("inf"), alpha)
+        peak_offset = tl.where(peak_log2 == float("-inf"), 0.0, peak_log2)
         count = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), axis=0)
         bits_row = keep_bits_ptr + segment.to(tl.int64) * bits_stride
         c0 = num_visible * 0
@@ -259,8 +264,7 @@ def _score_select_kernel(
             ids = c0 + chunk
             scored = ids < num_candidates
             energy = tl.load(energies_row + ids, mask=scored, other=float("-inf"))
-            rel = tl.exp2(energy - offset)
-            keep = scored & (rel >= threshold)
+            keep = scored & (tl.exp2(energy - peak_offset) >= threshold)
             forced = (ids < sink_blocks) | ((ids >= window_lo) & (ids <= window_hi)) | (ids >= first_diagonal)
             keep = (keep | forced | dense) & (ids < num_visible)
             keep_i = keep.to(tl.int32)
@@ -337,7 +341,6 @@ def launch_score_select(
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Keys cast once to the dot dtype (half the bytes per chunk, no per-chunk conversion); a tiny tensor.
     keys = pooled_k.to(_DOT_DTYPES[dot_kind]).contiguous()
-    warps = SCORE_NUM_WARPS or (8 if rows * block_d >= 128 * 128 else 4)
     _score_select_kernel[(num_programs,)](
         q,
         keys,
@@ -376,6 +379,6 @@ def launch_score_select(
         DOT_KIND=dot_kind,
         HAS_Q_DESCALE=q_descale is not None,
         USE_WHILE=interpret,
-        num_warps=warps,
+        num_warps=SCORE_NUM_WARPS,
         num_stages=SCORE_NUM_STAGES,
     )
