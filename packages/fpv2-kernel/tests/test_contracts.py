@@ -239,7 +239,7 @@ def test_block_index_structure_errors():
         BlockIndex(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), **good)
     with pytest.raises(ValueError, match="strictly ascending within a segment; segment 1"):
         BlockIndex(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([0, 1, 1], dtype=torch.int32), **good)
-    with pytest.raises(ValueError, match=r"offsets\[-1\]=2 must equal the number of blocks"):
+    with pytest.raises(ValueError, match=r"offsets\[-1\]=2 exceeds the capacity of blocks"):
         BlockIndex(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), **good)
     with pytest.raises(TypeError, match="blocks must have dtype"):
         BlockIndex(torch.tensor([0, 1, 1], dtype=torch.int32), torch.tensor([0]), **good)

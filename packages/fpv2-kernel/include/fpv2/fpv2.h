@@ -115,7 +115,7 @@ typedef struct fpv2_block_index_t {
   int32_t tile_size;    /* packed rows per query tile; must be FPV2_KERNEL_TILE_SIZE */
   int32_t block_size;   /* KV tokens per block, a power of two */
   fpv2_tensor_t offsets;      /* (S+1,) I32, contiguous */
-  fpv2_tensor_t blocks;       /* (nnz,) I32, contiguous */
+  fpv2_tensor_t blocks;       /* (capacity >= nnz,) I32, contiguous; ids past offsets[S] are ignored */
   fpv2_tensor_t tile_offsets; /* (B+1,) I32, contiguous: cumulative tiles per request */
   int64_t num_segments;       /* S */
 } fpv2_block_index_t;

@@ -8,6 +8,7 @@ import torch
 
 from fpv2.correction import build_correction_plan, compute_block_statistics
 from fpv2.index import SelectionConfig, available_strategies, build_block_index
+from fpv2.index.strategies.max_threshold import use_triton_index
 from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch, validate_prefill_inputs
 
 from .backends import AUTO, AttentionBackend, resolve_backend
@@ -136,7 +137,8 @@ class SparsePrefillPipeline:
         statistics = None
         if self.correction or self.strategy != DENSE_STRATEGY:
             # Pooled K serves the index, pooled V the correction: one pass for both.
-            statistics = compute_block_statistics(
+            statistics = _pool_statistics(
+                q,
                 k_cache,
                 v_cache,
                 batch,
@@ -176,3 +178,12 @@ class SparsePrefillPipeline:
         )
         clock.mark("attention")
         return PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)
+
+
+def _pool_statistics(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch, **kw):
+    """Pooled K/V: the Triton kernel where the Triton index runs, the reference elsewhere."""
+    if use_triton_index(q):
+        from fpv2.index.triton import pool_blocks_triton  # imports triton: only on the fast path
+
+        return pool_blocks_triton(k_cache, v_cache, batch, **kw)
+    return compute_block_statistics(k_cache, v_cache, batch, **kw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch
@@ -15,9 +17,11 @@ from .registry import register_strategy
 class MaxThresholdStrategy:
     """Max-threshold selection with forced sink, window and diagonal blocks (ALGORITHM.md section 3).
 
-    The default strategy. This release runs the PyTorch reference
-    (:func:`fpv2.index.reference.select_blocks`) on any device; a fused kernel
-    can take over in :meth:`select` without changing the interface.
+    The default strategy. On CUDA inputs it runs the fused Triton kernel
+    (:func:`fpv2.index.triton.select_blocks_triton`); elsewhere, or when the
+    environment sets ``FPV2_INDEX_IMPL=reference``, the PyTorch reference
+    (:func:`fpv2.index.reference.select_blocks`). Both produce the same index
+    up to near-threshold rounding.
 
     Attributes:
         name: ``"max_threshold"``.
@@ -49,4 +53,20 @@ class MaxThresholdStrategy:
         Returns:
             The block index.
         """
+        if use_triton_index(q):
+            from ..triton import select_blocks_triton  # imports triton: only on the fast path
+
+            return select_blocks_triton(q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale)
         return select_blocks(q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale)
+
+
+def use_triton_index(q: torch.Tensor) -> bool:
+    """Whether the fused Triton index runs for ``q``: CUDA inputs, unless ``FPV2_INDEX_IMPL=reference``.
+
+    Args:
+        q: the packed queries.
+
+    Returns:
+        True for the Triton fast path.
+    """
+    return q.is_cuda and os.environ.get("FPV2_INDEX_IMPL", "auto") != "reference"

@@ -27,7 +27,9 @@ class BlockIndex:
 
     Args:
         offsets: ``(S+1,) int32``, ``offsets[0] == 0``, non-decreasing.
-        blocks: ``(nnz,) int32`` block ids, ``nnz == offsets[-1]``.
+        blocks: ``(capacity,) int32`` block ids; the first ``nnz = offsets[-1]`` are
+            the index, any entries after them are spare capacity that kernels never
+            read (lets a producer size the array without a host sync).
         tile_offsets: ``(B+1,) int32`` cumulative query tiles per request (per KV head).
         num_kv_heads: ``Hkv``.
         group: GQA group size ``g`` the tiles were packed with.
@@ -78,8 +80,11 @@ class BlockIndex:
             )
         if off[0] != 0 or (off[1:] < off[:-1]).any():
             raise ValueError("offsets must start at 0 and be non-decreasing")
-        if int(off[-1]) != blocks.numel():
-            raise ValueError(f"offsets[-1]={int(off[-1])} must equal the number of blocks; got {describe(self.blocks)}")
+        if int(off[-1]) > blocks.numel():
+            raise ValueError(
+                f"offsets[-1]={int(off[-1])} exceeds the capacity of blocks; got {describe(self.blocks)}"
+            )
+        blocks = blocks[: int(off[-1])]
         if (blocks < 0).any():
             raise ValueError(f"block ids must be >= 0; found {int(blocks.min())}")
         if blocks.numel() > 1:
@@ -105,8 +110,13 @@ class BlockIndex:
 
     @property
     def nnz(self) -> int:
-        """Number of kept (tile, block) pairs."""
-        return self.blocks.numel()
+        """Number of kept (tile, block) pairs, ``offsets[-1]`` (host sync)."""
+        return int(self.offsets[-1])
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """``(nnz,) int32`` the kept block ids without spare capacity (host sync)."""
+        return self.blocks[: self.nnz]
 
     def segment(self, request: int, kv_head: int, tile: int) -> int:
         """Segment id of (request, KV head, tile) under :data:`SEGMENT_ORDER` (host values)."""
@@ -145,7 +155,7 @@ class BlockIndex:
                 f"block index tile_offsets {self.tile_offsets.cpu().tolist()[:8]} do not match the batch "
                 f"({expected.tolist()[:8]} for group {group}, tile_size {self.tile_size})"
             )
-        blocks = self.blocks.cpu().long()
+        blocks = self.kept.cpu().long()
         off = self.offsets.cpu().long()
         host = batch.host
         for b in range(batch.num_requests):
@@ -182,7 +192,7 @@ class BlockIndex:
 
     def to_dense_mask(self, num_blocks: int | None = None) -> torch.Tensor:
         """``(S, num_blocks) bool`` mask of kept blocks per segment (for tests and plots)."""
-        blocks = self.blocks.long()
+        blocks = self.kept.long()
         if num_blocks is None:
             num_blocks = int(blocks.max()) + 1 if blocks.numel() else 0
         counts = self.offsets[1:] - self.offsets[:-1]
