@@ -30,8 +30,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     )
 pytest.importorskip("triton")
 
-from fpv2.kernel import BlockIndex, CorrectionPlan  # noqa: E402
-from fpv2.kernel.reference import (  # noqa: E402
+from fpv2.kernel import CorrectionPlan
+from fpv2.kernel.reference import (
     dense_attention,
     dequantize_queries,
     gather_kv,
@@ -41,7 +41,7 @@ from fpv2.kernel.reference import (  # noqa: E402
     quantize_queries,
     sparse_attention,
 )
-from fpv2.kernel.triton import BLOCK_M, is_interpreted, sparse_attention_triton  # noqa: E402
+from fpv2.kernel.triton import BLOCK_M, is_interpreted, sparse_attention_triton
 
 INTERPRETED = is_interpreted()
 needs_compiled_gpu = pytest.mark.skipif(
@@ -184,12 +184,17 @@ def check_fa3_rule(got: torch.Tensor, want: torch.Tensor, same_prec: torch.Tenso
     assert err <= factor * ref_err + 1e-3, f"kernel error {err:.3g} vs same-precision PyTorch {ref_err:.3g}"
 
 
-def check_lse(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-4) -> None:
+def check_lse(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-4, rtol: float = 0.0) -> None:
     """lse in natural log, -inf exactly where the oracle has no visible column."""
     got = got.double().cpu()
     assert got.dtype == torch.float64 and torch.equal(torch.isneginf(got), torch.isneginf(want))
     finite = torch.isfinite(want)
-    torch.testing.assert_close(got[finite], want[finite], rtol=0.0, atol=atol)
+    torch.testing.assert_close(got[finite], want[finite], rtol=rtol, atol=atol)
+
+
+#: FP8 lse tolerance: on Hopper, Triton accumulates e4m3 products at the tensor cores' reduced
+#: FP8 accumulation precision (measured up to 5.5e-4 relative on an H200); exact in the interpreter.
+FP8_LSE_RTOL = 1e-3
 
 
 # --------------------------------------------------------------------------- dense mode
@@ -228,7 +233,9 @@ def test_dense_mode_other_dtypes_scale_and_strided_out(paged_case, oracle, devic
 
 def test_dense_mode_equals_an_index_of_every_visible_block(paged_case, hand_index, device):
     """Dense mode walks blocks 0..last_visible exactly as a CSR listing all of them: identical bits."""
-    case = paged_case(SEQLENS_Q, SEQLENS_K, num_q_heads=8, num_kv_heads=2, page_size=1, dtype=torch.float16, device=device)
+    case = paged_case(
+        SEQLENS_Q, SEQLENS_K, num_q_heads=8, num_kv_heads=2, page_size=1, dtype=torch.float16, device=device
+    )
     index, _ = hand_index(case.batch, num_kv_heads=2, group=4, tile_size=BLOCK_M, block_size=128)
     dense = sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch)
     full = sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index)
@@ -238,7 +245,9 @@ def test_dense_mode_equals_an_index_of_every_visible_block(paged_case, hand_inde
 # --------------------------------------------------------------------------- sparse
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("group", [1, 4])
-def test_sparse_matches_token_masked_oracle(paged_case, oracle, hand_index, index_token_masks, device, group, page_size):
+def test_sparse_matches_token_masked_oracle(
+    paged_case, oracle, hand_index, index_token_masks, device, group, page_size
+):
     case = paged_case(
         SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, page_size=page_size, dtype=torch.float16,
         device=device, seed=7 * group + page_size,
@@ -285,10 +294,19 @@ def test_mean_correction_matches_oracle_and_reference(
     assert (got.double().cpu() - ref.double().cpu()).abs().max().item() < 2e-3
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("explicit_words", [True, False])
-def test_correction_over_several_chunks(paged_case, oracle, hand_index, index_token_masks, device, explicit_words):
-    """16-token blocks, 3 chunks of 64: chunk 0 all kept (todo word 0, skipped), bit 63 of chunk 1 set."""
-    case = paged_case([40], [2500], num_q_heads=1, num_kv_heads=1, page_size=16, dtype=torch.float16, device=device)
+def test_correction_over_several_chunks(
+    paged_case, oracle, hand_index, index_token_masks, device, explicit_words, head_dim
+):
+    """16-token blocks, 3 chunks of 64: chunk 0 all kept (todo word 0, skipped), bit 63 of chunk 1 set.
+
+    At d = 256 the kernel walks each 64-bit word in two steps of 32 pooled vectors.
+    """
+    case = paged_case(
+        [40], [2500], num_q_heads=1, num_kv_heads=1, head_dim=head_dim, page_size=16, dtype=torch.float16,
+        device=device,
+    )  # fmt: skip
 
     def keep(seg):
         rng = random.Random(seg.tile)
@@ -298,12 +316,14 @@ def test_correction_over_several_chunks(paged_case, oracle, hand_index, index_to
     index, segments = hand_index(case.batch, num_kv_heads=1, group=1, tile_size=BLOCK_M, block_size=16, keep=keep)
     seg = segments[0]
     assert seg.num_eligible > 128 and 127 not in seg.kept
-    plan = todo_plan(pool_blocks(case.k_cache, case.v_cache, case.batch, block_size=16), segments, explicit=explicit_words)
+    plan = todo_plan(
+        pool_blocks(case.k_cache, case.v_cache, case.batch, block_size=16), segments, explicit=explicit_words
+    )
     if explicit_words:
         words = plan.todo_masks.tolist()
         assert len(words) == 3 and words[0] == 0 and words[1] < 0  # sign bit = block 127
     allowed = index_token_masks(case, segments, 16)
-    extra = correction_columns(case, segments, 16, 1 / 8)
+    extra = correction_columns(case, segments, 16, 1 / math.sqrt(head_dim))
     want, want_lse = oracle(case, allowed=allowed, extra=extra)
     got, lse = sparse_attention_triton(
         case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, out=poisoned(case), return_lse=True
@@ -318,7 +338,9 @@ def test_correction_is_exact_on_blockwise_constant_keys(paged_case, oracle, hand
         SEQLENS_Q, SEQLENS_K, num_q_heads=2, num_kv_heads=2, page_size=16, dtype=torch.float16, device=device,
         constant_blocks=128, seed=2,
     )  # fmt: skip
-    index, _ = hand_index(case.batch, num_kv_heads=2, group=1, tile_size=BLOCK_M, block_size=128, keep=random_keep(3, 0.0))
+    index, _ = hand_index(
+        case.batch, num_kv_heads=2, group=1, tile_size=BLOCK_M, block_size=128, keep=random_keep(3, 0.0)
+    )
     stats = pool_blocks(case.k_cache, case.v_cache, case.batch)
     want, want_lse = oracle(case)
     got, lse = sparse_attention_triton(
@@ -330,7 +352,9 @@ def test_correction_is_exact_on_blockwise_constant_keys(paged_case, oracle, hand
     assert (dropped.double().cpu() - want).abs().max().item() > 0.05, "nothing was pruned"
 
 
-def test_rows_without_visible_keys_are_zero_with_minus_inf_lse(paged_case, oracle, hand_index, index_token_masks, device):
+def test_rows_without_visible_keys_are_zero_with_minus_inf_lse(
+    paged_case, oracle, hand_index, index_token_masks, device
+):
     """A hand-made index that drops the diagonal: rows that see no key get 0 and lse -inf, not NaN."""
     case = paged_case([200], [264], num_q_heads=1, num_kv_heads=1, page_size=16, dtype=torch.float16, device=device)
     # prefix 64: tile 0 holds absolute positions 64..191; keeping only block 1 (tokens 128..255)
@@ -388,7 +412,7 @@ def test_fp8_matches_dequantised_oracle(paged_case, oracle, hand_index, index_to
         real, torch.bfloat16, allowed=allowed, extra=extra, round_logits=False, round_probs=quantize_probabilities
     )
     check_fa3_rule(got, want, emulated)
-    check_lse(lse, want_lse, atol=1e-3)  # l sums the unrounded probabilities: lse is fp32-accurate
+    check_lse(lse, want_lse, atol=1e-3, rtol=FP8_LSE_RTOL)  # l sums the unrounded probabilities
 
 
 # --------------------------------------------------------------------------- refusals
@@ -443,13 +467,32 @@ GPU_SEQLENS_Q = [1000, 0, 513, 77]
 GPU_SEQLENS_K = [1000, 300, 1800, 1290]
 
 
+def _check_gpu_bf16(case, index, plan) -> None:
+    """Kernel vs fp64 reference on the same CSR, FA3-style against bf16-rounded fp32 PyTorch; lse; poisoned out."""
+    want, want_lse = sparse_attention(
+        case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, compute_dtype=torch.float64, return_lse=True
+    )
+    got, lse = sparse_attention_triton(
+        case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, out=poisoned(case), return_lse=True
+    )
+    # fp32 math on the same bf16 inputs, rounded to bf16 like the kernel's output
+    same = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan)
+    same = same.to(torch.bfloat16).double()
+    assert torch.isfinite(got).all(), "rows left unwritten (NaN poison) or non-finite output"
+    err = (got.double() - want).abs().max().item()
+    ref_err = (same - want).abs().max().item()
+    # the kernel also rounds P to bf16 (the PyTorch side does not): allow 1e-2 on top of the FA3 rule
+    assert err <= 2 * ref_err + 1e-2, f"kernel error {err:.3g} vs bf16-rounded PyTorch {ref_err:.3g}"
+    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=1e-3)
+
+
 @pytest.mark.gpu
 @needs_compiled_gpu
-@pytest.mark.parametrize("correction", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_gpu_bf16_grid(paged_case, hand_index, group, page_size, head_dim, correction):
+def test_gpu_bf16_sparse_with_correction(paged_case, hand_index, group, page_size, head_dim):
+    """GQA 1/4/8 x page sizes 1/16/64 x d 64/128/256, varlen + prefix, mean correction on."""
     case = paged_case(
         GPU_SEQLENS_Q, GPU_SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
         dtype=torch.bfloat16, device="cuda", seed=group * page_size + head_dim,
@@ -457,48 +500,61 @@ def test_gpu_bf16_grid(paged_case, hand_index, group, page_size, head_dim, corre
     index, segments = hand_index(
         case.batch, num_kv_heads=2, group=group, tile_size=BLOCK_M, block_size=128, keep=random_keep(head_dim, 0.3)
     )
-    plan = todo_plan(pool_blocks(case.k_cache, case.v_cache, case.batch), segments, explicit=group == 4) if correction else None
-    want, want_lse = sparse_attention(
-        case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, compute_dtype=torch.float64, return_lse=True
-    )
-    got, lse = sparse_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, out=poisoned(case), return_lse=True
-    )
-    same = sparse_attention(case.q.float(), case.k_cache.float(), case.v_cache.float(), case.batch, index, plan=plan)
-    same = same.to(torch.bfloat16).double()  # fp32 math on bf16 inputs, rounded like the kernel's output
-    assert torch.isfinite(got).all()
-    err = (got.double() - want).abs().max().item()
-    ref_err = (same - want).abs().max().item()
-    assert err <= 2 * ref_err + 1e-2, f"kernel error {err:.3g} vs bf16-rounded PyTorch {ref_err:.3g}"
-    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=1e-3)
-    dense = sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch)
-    dense_want = dense_attention(case.q, case.k_cache, case.v_cache, case.batch, compute_dtype=torch.float64)
-    assert (dense.double() - dense_want).abs().max().item() <= 2e-2
+    stats = pool_blocks(case.k_cache, case.v_cache, case.batch)
+    _check_gpu_bf16(case, index, todo_plan(stats, segments, explicit=group == 4))
 
 
 @pytest.mark.gpu
 @needs_compiled_gpu
-@pytest.mark.parametrize("correction", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("page_size", [1, 64])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_gpu_fp8_grid(paged_case, hand_index, group, page_size, head_dim, correction):
+@pytest.mark.parametrize("group", [1, 8])
+def test_gpu_bf16_sparse_and_dense_without_correction(paged_case, hand_index, group, head_dim):
+    case = paged_case(
+        GPU_SEQLENS_Q, GPU_SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=16,
+        dtype=torch.bfloat16, device="cuda", seed=group + head_dim,
+    )  # fmt: skip
+    index, _ = hand_index(
+        case.batch, num_kv_heads=2, group=group, tile_size=BLOCK_M, block_size=128, keep=random_keep(head_dim, 0.3)
+    )
+    _check_gpu_bf16(case, index, None)
+    dense = sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, out=poisoned(case))
+    want = dense_attention(case.q, case.k_cache, case.v_cache, case.batch, compute_dtype=torch.float64)
+    same = dense_attention(case.q, case.k_cache, case.v_cache, case.batch).to(torch.bfloat16).double()
+    err, ref_err = (dense.double() - want).abs().max().item(), (same - want).abs().max().item()
+    assert torch.isfinite(dense).all() and err <= 2 * ref_err + 1e-2, f"dense error {err:.3g} vs {ref_err:.3g}"
+
+
+@pytest.mark.gpu
+@needs_compiled_gpu
+@pytest.mark.parametrize(
+    ("group", "page_size", "head_dim", "correction"),
+    [(4, 1, d, c) for d in (64, 128, 256) for c in (False, True)] + [(8, 64, d, True) for d in (64, 128, 256)],
+)
+def test_gpu_fp8(paged_case, hand_index, index_token_masks, oracle, group, page_size, head_dim, correction):
+    """FP8 e4m3 on fp8 tensor cores: FA3 rule against PyTorch with P rounded to e4m3 the same way."""
     case = paged_case(
         GPU_SEQLENS_Q, GPU_SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
         dtype=torch.float32, device="cuda", fill=0.0, seed=group + page_size + head_dim,
     )  # fmt: skip
-    q8, qd = quantize_queries(case.q, case.batch, 2)
-    k8, kd = quantize_cache(case.k_cache, case.batch)
-    v8, vd = quantize_cache(case.v_cache, case.batch)
-    index, _ = hand_index(
+    (q8, k8, v8), scales, real = fp8_case(case, group)
+    index, segments = hand_index(
         case.batch, num_kv_heads=2, group=group, tile_size=BLOCK_M, block_size=128, keep=random_keep(head_dim, 0.3)
     )
-    plan = CorrectionPlan(pool_blocks(k8, v8, case.batch, k_descale=kd, v_descale=vd)) if correction else None
-    scales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    want, want_lse = sparse_attention(q8, k8, v8, case.batch, index, plan=plan, return_lse=True, **scales)
+    plan = None
+    if correction:
+        plan = CorrectionPlan(
+            pool_blocks(k8, v8, case.batch, k_descale=scales["k_descale"], v_descale=scales["v_descale"])
+        )
+    want, want_lse = sparse_attention(
+        q8, k8, v8, case.batch, index, plan=plan, compute_dtype=torch.float64, return_lse=True, **scales
+    )
     out = torch.full(case.q.shape, math.nan, dtype=torch.bfloat16, device="cuda")
     got, lse = sparse_attention_triton(q8, k8, v8, case.batch, index, plan=plan, out=out, return_lse=True, **scales)
     assert torch.isfinite(got).all()
-    rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert rel < 0.03, f"FP8 relative error {rel:.4f}"
-    torch.testing.assert_close(lse, want_lse, rtol=0.0, atol=2e-3)
+    extra = correction_columns(real, segments, 128, 1 / math.sqrt(head_dim)) if correction else None
+    emulated = same_precision(
+        real, torch.bfloat16, allowed=index_token_masks(case, segments, 128), extra=extra, round_logits=False,
+        round_probs=quantize_probabilities,
+    )  # fmt: skip
+    check_fa3_rule(got, want.double().cpu(), emulated)
+    check_lse(lse, want_lse.double().cpu(), atol=1e-3, rtol=FP8_LSE_RTOL)

@@ -16,6 +16,7 @@ and a correction plan's ``block_offsets`` are checked on the host.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -26,6 +27,7 @@ from ..contracts import (
     CORRECTION_CHUNK,
     TILE_SIZE,
     BlockIndex,
+    BlockStatistics,
     CorrectionPlan,
     PagedPrefillBatch,
     PrefillShapes,
@@ -35,7 +37,14 @@ from ..contracts import (
 )
 from ..contracts._checks import check_last_dim_contiguous, check_shape, check_tensor, describe
 from .interpreter_compat import install_interpreter_index_fix
-from .sparse_attention import DOT_FP16, DOT_FP32, DOT_NATIVE, sparse_prefill_kernel
+from .sparse_attention import (
+    DOT_FP16,
+    DOT_FP32,
+    DOT_INTERP_BF16,
+    DOT_INTERP_FP8,
+    DOT_NATIVE,
+    sparse_prefill_kernel,
+)
 from .tuning import launch_config
 
 #: Packed query rows per program: the kernel's query tile, which must equal the index tile size.
@@ -81,8 +90,11 @@ def sparse_attention_triton(
     FP8 (``float8_e4m3fn``) inputs: the logit scale absorbs ``q_descale * k_descale``
     of the tile's (request, KV head), probabilities are ``2^(s - m + 8)`` rounded to
     e4m3 for the PV product (fp8 tensor cores on sm89+; on older GPUs the e4m3 values
-    are widened to fp16; under the interpreter to fp32, with the same rounding of P),
-    and the output is multiplied by ``v_descale`` and written in bf16.
+    are widened to fp16; under the interpreter the products run in fp32 on P rounded to
+    the e4m3 grid in fp32 arithmetic, because the interpreter's own e4m3 cast misrounds),
+    and the output is multiplied by ``v_descale`` and written in bf16. Under the
+    interpreter, bf16 outputs are truncated rather than rounded (its cast), a bias of
+    at most one bf16 ulp.
 
     Args:
         q: ``(total_q, Hq, d)`` packed queries (fp16, bf16, e4m3, or fp32 for tests).
@@ -108,7 +120,9 @@ def sparse_attention_triton(
             batch, group, tile size or block size, a plan without an index, or CPU
             tensors without the Triton interpreter.
     """
-    shapes = validate_prefill_inputs(q, k_cache, v_cache, batch, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    shapes = validate_prefill_inputs(
+        q, k_cache, v_cache, batch, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale
+    )
     interpreted = is_interpreted()
     if q.device.type != "cuda" and not interpreted:
         raise ValueError(
@@ -160,14 +174,18 @@ def sparse_attention_triton(
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=q.device)
     dummy_f32 = torch.zeros(1, dtype=torch.float32, device=q.device)
     dummy_i64 = torch.zeros(1, dtype=torch.int64, device=q.device)
-    stats = plan.statistics if plan is not None else None
     has_todo = plan is not None and plan.todo_masks is not None
+    corr_kind = _correction_kind(shapes.dtype, interpreted)
+    if plan is not None:
+        pooled = _correction_operands(plan.statistics, corr_kind)
+    else:
+        pooled = (dummy_f32,) * 4
 
     if shapes.dtype == torch.float32:
         dot_kind = DOT_FP32
     elif interpreted:
-        # The interpreter's bf16 dot is broken: widen bf16/e4m3 operands (already rounded) to fp32.
-        dot_kind = DOT_NATIVE if shapes.dtype == torch.float16 else DOT_FP32
+        # The interpreter's bf16 dot and its bf16/e4m3 casts are wrong: see sparse_attention.DOT_INTERP_*.
+        dot_kind = {torch.float16: DOT_NATIVE, torch.bfloat16: DOT_INTERP_BF16}.get(shapes.dtype, DOT_INTERP_FP8)
     elif shapes.is_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
         dot_kind = DOT_FP16
     else:
@@ -189,10 +207,9 @@ def sparse_attention_triton(
         q_descale.contiguous() if q_descale is not None else dummy_f32,
         k_descale.contiguous() if k_descale is not None else dummy_f32,
         v_descale.contiguous() if v_descale is not None else dummy_f32,
-        stats.pooled_k if stats is not None else dummy_f32,
-        stats.pooled_v if stats is not None else dummy_f32,
-        stats.block_lengths if stats is not None else dummy_i32,
-        stats.block_offsets if stats is not None else dummy_i32,
+        *pooled,
+        plan.statistics.block_lengths if plan is not None else dummy_i32,
+        plan.statistics.block_offsets if plan is not None else dummy_i32,
         plan.todo_offsets if has_todo else dummy_i32,
         plan.todo_masks if has_todo else dummy_i64,
         scale * LOG2E,
@@ -209,10 +226,8 @@ def sparse_attention_triton(
         lse.stride(0) if lse is not None else 0,
         lse.stride(1) if lse is not None else 0,
         batch.page_table.stride(0),
-        stats.pooled_k.stride(0) if stats is not None else 0,
-        stats.pooled_k.stride(1) if stats is not None else 0,
-        stats.pooled_v.stride(0) if stats is not None else 0,
-        stats.pooled_v.stride(1) if stats is not None else 0,
+        pooled[0].stride(0) if plan is not None else 0,
+        pooled[0].stride(1) if plan is not None else 0,
         NUM_KV_HEADS=shapes.num_kv_heads,
         GROUP=group,
         HEAD_DIM=shapes.head_dim,
@@ -222,19 +237,51 @@ def sparse_attention_triton(
         PAGE_SIZE=batch.page_size,
         BAND=_band(block_size),
         CHUNK=CORRECTION_CHUNK,
+        CORR_N=config.correction_step,
         DENSE=index is None,
         CORRECTION=plan is not None,
         HAS_TODO=has_todo,
         FP8=shapes.is_fp8,
         P_SHIFT=P_SHIFT_FP8 if shapes.is_fp8 else 0.0,
         DOT_KIND=dot_kind,
-        CORR_IEEE=interpreted or shapes.dtype == torch.float32,
+        CORR_KIND=corr_kind,
         WRITE_LSE=return_lse,
         PIPE_STAGES=config.num_stages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return (out, lse) if return_lse else out
+
+
+def _correction_kind(dtype: torch.dtype, interpreted: bool) -> int:
+    """Products of the correction step: 0 fp32 IEEE, 1 split fp16, 2 split bf16 (see ``_correct_chunk``).
+
+    fp32 inputs keep fp32; fp16 splits in fp16 (also under the interpreter, whose fp16 dot
+    is exact); bf16 and e4m3 split in bf16 on a GPU, and use fp32 under the interpreter
+    (its bf16 dot is broken).
+    """
+    if dtype == torch.float16:
+        return 1
+    if dtype == torch.float32 or interpreted:
+        return 0
+    return 2
+
+
+def _correction_operands(stats: BlockStatistics, corr_kind: int) -> tuple[torch.Tensor, ...]:
+    """``(pooled_k, pooled_k_lo, pooled_v, pooled_v_lo)`` in the form the kernel reads, one set of strides.
+
+    Kind 0: the fp32 statistics (the ``_lo`` slots repeat them, unused). Kinds 1 and 2:
+    each fp32 vector split into a 16-bit head and the 16-bit remainder ``x - head``
+    (fp16 or bf16), so the correction runs on tensor cores at about 16 mantissa bits.
+    This small workspace (four ``(total_blocks, Hkv, d)`` 16-bit arrays) is made per call.
+    """
+    pooled_k = stats.pooled_k.contiguous()
+    pooled_v = stats.pooled_v.contiguous()
+    if corr_kind == 0:
+        return pooled_k, pooled_k, pooled_v, pooled_v
+    half = torch.float16 if corr_kind == 1 else torch.bfloat16
+    k_hi, v_hi = pooled_k.to(half), pooled_v.to(half)
+    return k_hi, (pooled_k - k_hi.float()).to(half), v_hi, (pooled_v - v_hi.float()).to(half)
 
 
 def _band(block_size: int) -> int:
@@ -265,9 +312,7 @@ def _check_index(index: BlockIndex, batch: PagedPrefillBatch, shapes: PrefillSha
     if index.offsets.device != device:
         raise ValueError(f"index must be on {device} like q; its offsets have {describe(index.offsets)}")
     if index.num_kv_heads != shapes.num_kv_heads:
-        raise ValueError(
-            f"block index has num_kv_heads={index.num_kv_heads}, k_cache has Hkv={shapes.num_kv_heads}"
-        )
+        raise ValueError(f"block index has num_kv_heads={index.num_kv_heads}, k_cache has Hkv={shapes.num_kv_heads}")
     # The kernel's query tile is BLOCK_M packed rows: an index built for other tiles is refused.
     index.check_compatible(batch, shapes.group, tile_size=BLOCK_M)
 
@@ -285,16 +330,17 @@ def _check_plan(
         raise ValueError(f"plan statistics use block_size={stats.block_size}, the index block_size={index.block_size}")
     expected = (shapes.num_kv_heads, shapes.head_dim)
     if tuple(stats.pooled_k.shape[1:]) != expected:
-        raise ValueError(f"plan statistics pooled_k must have shape (*, {expected[0]}, {expected[1]}); got {describe(stats.pooled_k)}")
-    check_last_dim_contiguous("pooled_k", stats.pooled_k)
-    check_last_dim_contiguous("pooled_v", stats.pooled_v)
+        raise ValueError(
+            f"plan statistics pooled_k must have shape (*, {expected[0]}, {expected[1]}); "
+            f"got {describe(stats.pooled_k)}"
+        )
     if stats.block_offsets.numel() != batch.num_requests + 1:
         raise ValueError(
             f"plan statistics block_offsets must have B+1 = {batch.num_requests + 1} entries; got "
             f"{describe(stats.block_offsets)}"
         )
     offsets = stats.block_offsets.cpu().tolist()
-    counts = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    counts = [b - a for a, b in itertools.pairwise(offsets)]
     needed = [num_key_blocks(k, index.block_size) for k in batch.host.seqlens_k]
     if counts != needed or offsets[0] != 0 or offsets[-1] != stats.pooled_k.shape[0]:
         raise ValueError(

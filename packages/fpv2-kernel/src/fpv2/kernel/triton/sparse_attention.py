@@ -25,15 +25,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: ``DOT_KIND`` values: how operands reach ``tl.dot``.
+#: ``DOT_KIND`` values: how operands reach ``tl.dot`` and how P is rounded.
 #: Native: fp16/bf16 operands, or e4m3 operands on GPUs with fp8 tensor cores (sm89+).
 DOT_NATIVE = 0
-#: Operands widened to fp32 with IEEE products: fp32 inputs, and bf16/fp8 under the
-#: Triton interpreter (whose bf16 dot is broken). Values are rounded to the input
-#: dtype first, so the numerics match the native path up to accumulation order.
+#: fp32 operands, IEEE products (fp32 inputs).
 DOT_FP32 = 1
-#: e4m3 operands widened to fp16 (exact) on GPUs without fp8 dots.
+#: e4m3 operands widened to fp16 (exact) on GPUs without fp8 dots; P still rounded to e4m3.
 DOT_FP16 = 2
+#: Triton interpreter, bf16 inputs: its bf16 dot is broken and its fp32->bf16 cast truncates,
+#: so operands are widened to fp32 and P is rounded to the bf16 grid (nearest-even) in fp32.
+DOT_INTERP_BF16 = 3
+#: Triton interpreter, e4m3 inputs: its fp32->e4m3 cast misrounds (7.9 -> 4), so P is rounded
+#: to the e4m3 grid (nearest-even, saturating at 448) in fp32 and the products run in fp32.
+DOT_INTERP_FP8 = 4
+
+
+@triton.jit
+def _round_nearest_even(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """``x`` (finite, >= 0) rounded to a float grid with ``MANTISSA_BITS`` explicit bits, in fp32.
+
+    Values below ``2^MIN_EXPONENT`` share that binade's spacing (subnormals). Adding
+    and removing ``2^23`` rounds ``x / ulp < 2^24`` to an integer, nearest-even.
+    """
+    exponent = tl.floor(tl.log2(tl.maximum(x, 2.0**MIN_EXPONENT)))
+    ulp = tl.exp2(exponent - MANTISSA_BITS)
+    return ((x / ulp + 8388608.0) - 8388608.0) * ulp
 
 
 @triton.jit
@@ -94,12 +110,12 @@ def _attend_subtile(
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
 
-    if DOT_KIND == 1:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    if DOT_KIND == 0:
+        s = tl.dot(q, tl.trans(k))
     elif DOT_KIND == 2:
         s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
     else:
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     s = s * qk_scale
     if MASKED:
         # Bottom-right causal: the row at absolute position q_abs sees keys 0 .. q_abs. Keys
@@ -115,53 +131,98 @@ def _attend_subtile(
     p = tl.exp2(s - m_use[:, None] + P_SHIFT)
     l_i = l_i * alpha + tl.sum(p, 1)
     # P is rounded to V's dtype (e4m3 for FP8, after the 2^8 shift) before the PV product.
-    p_op = p.to(v.dtype)
-    if DOT_KIND == 1:
-        pv = tl.dot(p_op.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    if DOT_KIND == 0:
+        pv = tl.dot(p.to(v.dtype), v)
     elif DOT_KIND == 2:
-        pv = tl.dot(p_op.to(tl.float16), v.to(tl.float16))
+        pv = tl.dot(p.to(v.dtype).to(tl.float16), v.to(tl.float16))
     else:
-        pv = tl.dot(p_op, v)
+        if DOT_KIND == 3:
+            p = _round_nearest_even(p, 7, -100)
+        elif DOT_KIND == 4:
+            p = tl.minimum(_round_nearest_even(p, 3, -6), 448.0)
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
 @triton.jit
 def _correct_chunk(
-    q_f32,
-    kbar,
-    vbar,
-    log2_len,
+    q_c,
+    pooled_k_head,
+    pooled_k_lo_head,
+    pooled_v_head,
+    pooled_v_lo_head,
+    stat,
+    stride_pb,
+    block_lengths,
     todo,
     m_i,
     l_i,
     acc,
     corr_scale,
+    v_units,
+    HEAD_DIM: tl.constexpr,
     P_SHIFT: tl.constexpr,
-    CORR_IEEE: tl.constexpr,
+    CORR_KIND: tl.constexpr,
 ):
-    """One online-softmax step over a chunk of pooled blocks (fp32 operands).
+    """One online-softmax step over a chunk of pooled blocks (statistics rows ``stat``).
 
     Column ``J`` stands for the ``|B_J|`` pruned tokens of its block: logit
-    ``q . kbar_J * scale + log2 |B_J|`` (log2 units) and value ``vbar_J``; columns
-    that are not todo get ``-inf``. The caller only runs chunks with a todo bit set,
-    so every row gets a finite maximum.
+    ``q . kbar_J * scale + log2 |B_J|`` (log2 units) and value ``vbar_J * v_units``;
+    columns that are not todo get ``-inf``. The caller only runs chunks with a todo
+    bit set, so every row gets a finite maximum.
+
+    With ``CORR_KIND`` 0 the pooled vectors are fp32 and the products IEEE fp32.
+    Otherwise ``q_c`` is 16-bit (fp16 or bf16) and each pooled vector comes as a 16-bit
+    head plus a 16-bit remainder (split by the launcher): two tensor-core products per
+    operand keep about 16 mantissa bits, with no fp32 tile in registers.
     """
-    if CORR_IEEE:
-        s = tl.dot(q_f32, tl.trans(kbar), input_precision="ieee")
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs = stat[:, None] * stride_pb + offs_d[None, :]
+    if CORR_KIND == 0:
+        kbar = tl.load(pooled_k_head + offs, mask=todo[:, None], other=0.0)
+        s = tl.dot(q_c, tl.trans(kbar), input_precision="ieee")
     else:
-        s = tl.dot(q_f32, tl.trans(kbar))
+        k_hi = tl.load(pooled_k_head + offs, mask=todo[:, None], other=0.0)
+        k_lo = tl.load(pooled_k_lo_head + offs, mask=todo[:, None], other=0.0)
+        s = tl.dot(q_c, tl.trans(k_lo), acc=tl.dot(q_c, tl.trans(k_hi)))
+    log2_len = tl.log2(tl.load(block_lengths + stat, mask=todo, other=1).to(tl.float32))
     s = tl.where(todo[None, :], s * corr_scale + log2_len[None, :], float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None] + P_SHIFT)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if CORR_IEEE:
+    if CORR_KIND == 0:
+        vbar = tl.load(pooled_v_head + offs, mask=todo[:, None], other=0.0)
         pv = tl.dot(p, vbar, input_precision="ieee")
     else:
-        pv = tl.dot(p, vbar)
-    acc = acc * alpha[:, None] + pv
+        p_c = p.to(q_c.dtype)
+        v_hi = tl.load(pooled_v_head + offs, mask=todo[:, None], other=0.0)
+        v_lo = tl.load(pooled_v_lo_head + offs, mask=todo[:, None], other=0.0)
+        pv = tl.dot(p_c, v_lo, acc=tl.dot(p_c, v_hi))
+    acc = acc * alpha[:, None] + pv * v_units
     return m_new, l_i, acc
+
+
+@triton.jit
+def _segment(pid, SegRequest, TileOffsets, CuSeqlensQ, SeqlensK, NUM_KV_HEADS: tl.constexpr, VOLATILE: tl.constexpr):
+    """Request ``b``, KV head ``h``, tile ``t``, first query, query and KV lengths of program ``pid``.
+
+    The request comes from the launch's table; (KV head, tile) follow from the segment order
+    ``s = Hkv * tile_offsets[b] + h * ntiles_b + t``. ``VOLATILE`` reloads the metadata so
+    the compiler recomputes the row vectors derived from it instead of keeping the first
+    copies alive in registers across the block loops.
+    """
+    b = tl.load(SegRequest + pid, volatile=VOLATILE)
+    tile_start = tl.load(TileOffsets + b, volatile=VOLATILE)
+    ntiles = tl.load(TileOffsets + b + 1, volatile=VOLATILE) - tile_start
+    local = pid - NUM_KV_HEADS * tile_start
+    h = local // ntiles
+    t = local - h * ntiles
+    q_start = tl.load(CuSeqlensQ + b, volatile=VOLATILE)
+    q_len = tl.load(CuSeqlensQ + b + 1, volatile=VOLATILE) - q_start
+    kv_len = tl.load(SeqlensK + b, volatile=VOLATILE)
+    return b, h, t, q_start, q_len, kv_len
 
 
 @triton.jit
@@ -182,7 +243,9 @@ def sparse_prefill_kernel(
     KDescale,
     VDescale,
     PooledK,
+    PooledKLo,
     PooledV,
+    PooledVLo,
     BlockLengths,
     BlockOffsets,
     TodoOffsets,
@@ -201,10 +264,8 @@ def sparse_prefill_kernel(
     stride_lt,
     stride_lh,
     stride_pt,
-    stride_pkb,
-    stride_pkh,
-    stride_pvb,
-    stride_pvh,
+    stride_pb,
+    stride_ph,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -214,13 +275,14 @@ def sparse_prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     BAND: tl.constexpr,
     CHUNK: tl.constexpr,
+    CORR_N: tl.constexpr,
     DENSE: tl.constexpr,
     CORRECTION: tl.constexpr,
     HAS_TODO: tl.constexpr,
     FP8: tl.constexpr,
     P_SHIFT: tl.constexpr,
     DOT_KIND: tl.constexpr,
-    CORR_IEEE: tl.constexpr,
+    CORR_KIND: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     PIPE_STAGES: tl.constexpr,
 ):
@@ -232,19 +294,11 @@ def sparse_prefill_kernel(
     ``TileOffsets (B+1,)``; CSR ``IdxOffsets (S+1,)``, ``IdxBlocks (nnz,)`` (unused when
     ``DENSE``); FP8 descales ``(B, Hkv)`` contiguous; correction statistics and todo words
     (unused without ``CORRECTION``). All integer metadata is int32. ``P_SHIFT`` is 8 for FP8
-    (probabilities ``2^(s - m + 8)``) and 0 otherwise.
+    (probabilities ``2^(s - m + 8)``) and 0 otherwise. ``CORR_KIND`` picks the correction's
+    products: 0 fp32 IEEE, 1 split fp16, 2 split bf16 (see :func:`_correct_chunk`).
     """
     pid = tl.program_id(0)
-    # ---- which segment: request from the launch's table, (KV head, tile) from the segment order
-    b = tl.load(SegRequest + pid)
-    tile_start = tl.load(TileOffsets + b)
-    ntiles = tl.load(TileOffsets + b + 1) - tile_start
-    local = pid - NUM_KV_HEADS * tile_start
-    h = local // ntiles
-    t = local - h * ntiles
-    q_start = tl.load(CuSeqlensQ + b)
-    q_len = tl.load(CuSeqlensQ + b + 1) - q_start
-    kv_len = tl.load(SeqlensK + b)
+    b, h, t, q_start, q_len, kv_len = _segment(pid, SegRequest, TileOffsets, CuSeqlensQ, SeqlensK, NUM_KV_HEADS, False)
     prefix = kv_len - q_len
 
     # ---- PackGQA rows of the tile
@@ -253,12 +307,12 @@ def sparse_prefill_kernel(
     row_ok = rows < n_rows
     pos = rows // GROUP
     head = h * GROUP + rows % GROUP
-    q_abs = prefix + pos  # absolute KV position of each row
     first_abs = prefix + (t * BLOCK_M) // GROUP
     last_abs = prefix + (tl.minimum(t * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     token = (q_start + pos).to(tl.int64)
-    q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None])
+    q_ptrs = Q + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     qk_scale = sm_scale_log2
     if FP8:
@@ -299,11 +353,16 @@ def sparse_prefill_kernel(
             blk = tl.load(IdxBlocks + seg_start + it // SUBS)
             kstart = blk * BLOCK_SIZE + (it % SUBS) * BLOCK_N
         m_i, l_i, acc = _attend_subtile(
-            q, q_abs, m_i, l_i, acc, qk_scale, k_head, v_head, pt_row, kstart, kv_len,
+            q, first_abs, m_i, l_i, acc, qk_scale, k_head, v_head, pt_row, kstart, kv_len,
             stride_kp, stride_ks, stride_vp, stride_vs, PAGE_SIZE, HEAD_DIM, BLOCK_N, False, P_SHIFT, DOT_KIND,
         )  # fmt: skip
 
     # ---- phase 2: the diagonal band, causal and tail masks
+    # Absolute position of each row, rebuilt from reloaded metadata: see _segment.
+    _b, _h, t2, _q_start, q_len2, kv_len2 = _segment(
+        pid, SegRequest, TileOffsets, CuSeqlensQ, SeqlensK, NUM_KV_HEADS, True
+    )
+    q_abs = kv_len2 - q_len2 + (t2 * BLOCK_M + tl.arange(0, BLOCK_M)) // GROUP
     for it in range(n_full * SUBS, n_total * SUBS):
         if DENSE:
             kstart = it * BLOCK_N
@@ -328,45 +387,48 @@ def sparse_prefill_kernel(
             v_units = 1.0
         n_elig = first_abs // BLOCK_SIZE  # J < (prefix + p_first) // Bk
         boff = tl.load(BlockOffsets + b)
-        offs_c = tl.arange(0, CHUNK)
-        q_f32 = q.to(tl.float32)
+        offs_c = tl.arange(0, CORR_N)
+        if CORR_KIND == 1:
+            q_c = q.to(tl.float16)
+        elif CORR_KIND == 2:
+            q_c = q.to(tl.bfloat16)
+        else:
+            q_c = q.to(tl.float32)
         if HAS_TODO:
             w_start = tl.load(TodoOffsets + pid)
             w_end = tl.load(TodoOffsets + pid + 1)
         else:
             ptr = seg_start
-        for c in range(0, tl.cdiv(n_elig, CHUNK)):
-            blk_c = c * CHUNK + offs_c
+        # Each 64-block chunk (one todo word) is walked as CHUNK // CORR_N steps of CORR_N
+        # pooled vectors (CORR_N < 64 only where registers are short, at d = 256).
+        for c in range(0, tl.cdiv(n_elig, CORR_N)):
+            blk_c = c * CORR_N + offs_c
             eligible = blk_c < n_elig
             if HAS_TODO:
-                word = tl.load(TodoMasks + w_start + c, mask=w_start + c < w_end, other=0)
-                todo = eligible & (((word >> offs_c.to(tl.int64)) & 1) != 0)
+                w = (c * CORR_N) // CHUNK
+                word = tl.load(TodoMasks + w_start + w, mask=w_start + w < w_end, other=0)
+                bit = (c * CORR_N) % CHUNK + offs_c
+                todo = eligible & (((word >> bit.to(tl.int64)) & 1) != 0)
             else:
                 # Two-pointer scan of the sorted kept list: ids before ptr are below this
-                # chunk, and at most CHUNK kept ids fall inside it.
+                # chunk, and at most CORR_N kept ids fall inside it.
                 ids = tl.load(IdxBlocks + ptr + offs_c, mask=ptr + offs_c < seg_end, other=2147483647)
                 hit = tl.sum((ids[:, None] == blk_c[None, :]).to(tl.int32), 0)
                 todo = eligible & (hit == 0)
-                ptr += tl.sum((ids < c * CHUNK + CHUNK).to(tl.int32), 0)
+                ptr += tl.sum((ids < c * CORR_N + CORR_N).to(tl.int32), 0)
             if tl.sum(todo.to(tl.int32), 0) > 0:  # skip chunks with nothing to add
-                stat = (boff + blk_c).to(tl.int64)
-                kbar = tl.load(
-                    PooledK + stat[:, None] * stride_pkb + h * stride_pkh + offs_d[None, :],
-                    mask=todo[:, None],
-                    other=0.0,
-                )
-                vbar = tl.load(
-                    PooledV + stat[:, None] * stride_pvb + h * stride_pvh + offs_d[None, :],
-                    mask=todo[:, None],
-                    other=0.0,
-                )
-                lengths = tl.load(BlockLengths + stat, mask=todo, other=1)
                 m_i, l_i, acc = _correct_chunk(
-                    q_f32, kbar, vbar * v_units, tl.log2(lengths.to(tl.float32)), todo, m_i, l_i, acc,
-                    corr_scale, P_SHIFT, CORR_IEEE,
+                    q_c, PooledK + h * stride_ph, PooledKLo + h * stride_ph, PooledV + h * stride_ph,
+                    PooledVLo + h * stride_ph, (boff + blk_c).to(tl.int64), stride_pb, BlockLengths, todo,
+                    m_i, l_i, acc, corr_scale, v_units, HEAD_DIM, P_SHIFT, CORR_KIND,
                 )  # fmt: skip
 
     # ---- epilogue: normalise, write the rows of this tile (rows that saw nothing get 0 / -inf)
+    _b, h, t, q_start, q_len, _kv_len = _segment(pid, SegRequest, TileOffsets, CuSeqlensQ, SeqlensK, NUM_KV_HEADS, True)
+    rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * GROUP
+    token = (q_start + rows // GROUP).to(tl.int64)
+    head = h * GROUP + rows % GROUP
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if FP8:
