@@ -32,14 +32,30 @@ def clean_registry(monkeypatch):
 
 def test_reference_is_registered_and_available():
     assert "reference" in available_backends()
-    assert registry.registered_backends()[:2] == ["hopper", "reference"]
+    assert registry.registered_backends() == ["hopper", "triton", "reference"]
     assert registry.resolve_backend("reference").name == "reference"
     status = registry.backend_status()
-    assert set(status) == {"hopper", "reference"}
+    assert set(status) == {"hopper", "triton", "reference"}
     assert status["reference"][0] is True
-    # auto prefers hopper: it picks reference exactly when hopper is unavailable.
-    expected = "hopper" if status["hopper"][0] else "reference"
+    # auto prefers hopper, then triton on a CUDA GPU (never the interpreter), then the reference.
+    if status["hopper"][0]:
+        expected = "hopper"
+    elif status["triton"][0] and torch.cuda.is_available():
+        expected = "triton"
+    else:
+        expected = "reference"
     assert registry.resolve_backend("auto").name == expected
+
+
+def test_triton_backend_is_not_auto_selected_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_backend = registry.resolve_backend("triton")  # usable by name
+    assert triton_backend.available()[1].startswith("Triton") and "interpreter" in triton_backend.available()[1]
+    assert registry.resolve_backend("auto").name in ("hopper", "reference")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="'triton' is not available: no CUDA GPU"):
+        registry.resolve_backend("triton")
 
 
 def test_auto_skips_unavailable_and_takes_priority_order(clean_registry):
@@ -52,8 +68,8 @@ def test_auto_skips_unavailable_and_takes_priority_order(clean_registry):
 
 
 def test_unknown_name_lists_the_names():
-    with pytest.raises(ValueError, match="unknown attention backend 'triton'") as info:
-        registry.resolve_backend("triton")
+    with pytest.raises(ValueError, match="unknown attention backend 'cutile'") as info:
+        registry.resolve_backend("cutile")
     assert "reference" in str(info.value) and "hopper" in str(info.value) and "auto" in str(info.value)
 
 

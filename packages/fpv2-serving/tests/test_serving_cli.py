@@ -125,7 +125,7 @@ def test_cpu_defaults_are_small_and_announced():
         (["bench", "-L", "0"], "--seqlen must be >= 1"),
         (["bench", "--fraction", "0"], "--fraction"),
         (["bench", "--heatmap-head", "2", "--kv-heads", "2"], "--heatmap-head"),
-        (["bench", "--backend", "nope"], "choose one of: auto, hopper, reference"),
+        (["bench", "--backend", "nope"], "choose one of: auto, hopper, triton, reference"),
         (["bench", "--strategy", "nope"], "--strategy 'nope' is unknown"),
         (["bench", "--no-correction", "--ablation"], "exclude each other"),
         (["bench", "--dtype", "int8"], "invalid choice"),

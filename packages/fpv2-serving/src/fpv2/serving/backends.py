@@ -5,12 +5,19 @@ plan, and returns the attention output. ``resolve_backend("auto")`` picks the
 available backend of highest priority; a backend the caller names explicitly
 is used or refused with its reason, never silently replaced by another.
 
-Registered here: ``hopper`` (the native Hopper kernel behind the C ABI) and
-``reference`` (the PyTorch reference of ``fpv2.kernel``; always available).
+Registered here, in ``auto`` order: ``hopper`` (the native Hopper kernel
+behind the C ABI), ``triton`` (the portable Triton kernel of ``fpv2.kernel``;
+chosen by ``auto`` on CUDA GPUs, usable by name under the Triton interpreter)
+and ``reference`` (the PyTorch reference of ``fpv2.kernel``; always available).
+
+A backend may declare ``derives_todo = True``: it computes the correction's
+todo bitmasks from the block index itself, so the pipeline hands it a plan
+without materialised masks (no per-segment host work).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -121,6 +128,84 @@ class ReferenceBackend:
             v_descale=v_descale,
         )
         return out.to(output_dtype(q.dtype))
+
+
+class TritonBackend:
+    """The portable Triton kernel (:func:`fpv2.kernel.triton.sparse_attention_triton`)."""
+
+    name = "triton"
+    #: The kernel derives the todo bitmasks from the CSR in the kernel.
+    derives_todo = True
+
+    def available(self) -> tuple[bool, str]:
+        """Available with Triton and either a CUDA GPU or ``TRITON_INTERPRET=1``.
+
+        Returns:
+            ``(ok, reason)``.
+        """
+        try:
+            import triton
+        except ImportError as exc:
+            return False, f"triton is not installed ({exc})"
+        if torch.cuda.is_available():
+            return True, f"Triton {triton.__version__} on {torch.cuda.get_device_name()}"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return True, f"Triton {triton.__version__} interpreter on the CPU (slow: for tests)"
+        return False, "no CUDA GPU (and TRITON_INTERPRET is not set)"
+
+    def auto_eligible(self) -> bool:
+        """``auto`` picks this backend on CUDA GPUs only, never the interpreter.
+
+        Returns:
+            Whether a CUDA GPU is present.
+        """
+        return torch.cuda.is_available()
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        index: BlockIndex,
+        plan: CorrectionPlan | None,
+        *,
+        softmax_scale: float | None,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run the Triton kernel.
+
+        Args:
+            q: ``(total_q, Hq, d)`` packed queries.
+            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
+            v_cache: paged values, same shape as ``k_cache``.
+            batch: the batch metadata.
+            index: kept blocks per (request, KV head, tile).
+            plan: correction plan, or None for no correction.
+            softmax_scale: logit scale (None: ``1/sqrt(d)``).
+            q_descale: FP8 query descales ``(B, Hkv)`` or None.
+            k_descale: FP8 key descales or None.
+            v_descale: FP8 value descales or None.
+
+        Returns:
+            ``(total_q, Hq, d)`` output in :func:`output_dtype` of the inputs.
+        """
+        from fpv2.kernel.triton import sparse_attention_triton
+
+        return sparse_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            batch,
+            index,
+            plan=plan,
+            softmax_scale=softmax_scale,
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+        )
 
 
 class HopperBackend:
@@ -267,6 +352,9 @@ def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
             reasons = []
             for candidate in registered_backends():
                 backend = _REGISTRY[candidate][1]
+                if not getattr(backend, "auto_eligible", lambda: True)():
+                    reasons.append(f"{candidate}: not chosen automatically here")
+                    continue
                 ok, why = backend.available()
                 if ok:
                     return backend
@@ -287,4 +375,5 @@ def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
 
 
 register_backend(HopperBackend(), priority=0)
+register_backend(TritonBackend(), priority=50)
 register_backend(ReferenceBackend(), priority=100)

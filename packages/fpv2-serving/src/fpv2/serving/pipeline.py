@@ -162,7 +162,11 @@ class SparsePrefillPipeline:
                 f"heads; the inputs have group {shapes.group} and {shapes.num_kv_heads} KV heads"
             )
         clock.mark("index")
-        plan = build_correction_plan(index, statistics, batch) if self.correction else None
+        plan = None
+        if self.correction:
+            # A backend that derives the todo bits from the CSR needs no per-segment host work.
+            derives_todo = getattr(self.backend, "derives_todo", False)
+            plan = CorrectionPlan(statistics) if derives_todo else build_correction_plan(index, statistics, batch)
         clock.mark("correction")
         out = self.backend.run(
             q,

@@ -81,9 +81,7 @@ class BlockIndex:
         if off[0] != 0 or (off[1:] < off[:-1]).any():
             raise ValueError("offsets must start at 0 and be non-decreasing")
         if int(off[-1]) > blocks.numel():
-            raise ValueError(
-                f"offsets[-1]={int(off[-1])} exceeds the capacity of blocks; got {describe(self.blocks)}"
-            )
+            raise ValueError(f"offsets[-1]={int(off[-1])} exceeds the capacity of blocks; got {describe(self.blocks)}")
         blocks = blocks[: int(off[-1])]
         if (blocks < 0).any():
             raise ValueError(f"block ids must be >= 0; found {int(blocks.min())}")
@@ -155,24 +153,57 @@ class BlockIndex:
                 f"block index tile_offsets {self.tile_offsets.cpu().tolist()[:8]} do not match the batch "
                 f"({expected.tolist()[:8]} for group {group}, tile_size {self.tile_size})"
             )
-        blocks = self.kept.cpu().long()
-        off = self.offsets.cpu().long()
-        host = batch.host
-        for b in range(batch.num_requests):
-            q_len, prefix = host.q_lens[b], host.prefix[b]
-            ntiles = num_query_tiles(q_len, group, self.tile_size)
-            for h in range(self.num_kv_heads):
-                for t in range(ntiles):
-                    s = self.num_kv_heads * int(self.tile_offsets[b]) + h * ntiles + t
-                    seg = blocks[off[s] : off[s + 1]]
-                    if seg.numel() == 0:
-                        continue
-                    span = tile_span(t, q_len, prefix, group, tile_size=self.tile_size, block_size=self.block_size)
-                    if int(seg[-1]) > span.last_visible_block:
-                        raise ValueError(
-                            f"segment (request {b}, kv_head {h}, tile {t}) keeps block {int(seg[-1])}, beyond the "
-                            f"causally visible blocks 0..{span.last_visible_block}"
-                        )
+        bad, last_kept, last_visible = self._causal_violations(batch)
+        if bool(bad.any()):
+            s = int(torch.nonzero(bad)[0, 0])
+            b, h, t = self.locate_segment(s)
+            raise ValueError(
+                f"segment (request {b}, kv_head {h}, tile {t}) keeps block {int(last_kept[s])}, beyond the "
+                f"causally visible blocks 0..{int(last_visible[s])}"
+            )
+
+    def _causal_violations(self, batch: PagedPrefillBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per segment: (last kept block > last visible block, last kept block, last visible block).
+
+        Vectorised over segments on the index's device (ids are ascending, so the
+        last kept block is the largest).
+        """
+        device = self.offsets.device
+        tiles = self.tile_offsets.to(device=device, dtype=torch.long)
+        ntiles = tiles[1:] - tiles[:-1]
+        seg_start = self.num_kv_heads * tiles[:-1]
+        num_segments = self.num_segments
+        request = torch.repeat_interleave(
+            torch.arange(self.num_requests, device=device), ntiles * self.num_kv_heads, output_size=num_segments
+        )
+        local = torch.arange(num_segments, device=device) - seg_start[request]
+        tile = local % ntiles[request].clamp(min=1)
+        rows = batch.q_lens.to(device=device, dtype=torch.long)[request] * self.group
+        row_end = torch.minimum((tile + 1) * self.tile_size, rows)
+        p_last = (row_end - 1) // self.group
+        prefix = batch.prefix.to(device=device, dtype=torch.long)[request]
+        last_visible = (prefix + p_last) // self.block_size
+        offsets = self.offsets.long()
+        counts = offsets[1:] - offsets[:-1]
+        last_kept = self.blocks.long()[(offsets[1:] - 1).clamp(min=0)] if self.blocks.numel() else counts
+        return (counts > 0) & (last_kept > last_visible), last_kept, last_visible
+
+    def locate_segment(self, segment: int) -> tuple[int, int, int]:
+        """Inverse of :meth:`segment`: ``(request, kv_head, tile)`` of a segment id (host values).
+
+        Args:
+            segment: a segment id in ``0 .. num_segments - 1``.
+
+        Returns:
+            The segment's request, KV head and tile.
+        """
+        tiles = self.tile_offsets.cpu().tolist()
+        for b in range(self.num_requests):
+            n = tiles[b + 1] - tiles[b]
+            start = self.num_kv_heads * tiles[b]
+            if start <= segment < start + self.num_kv_heads * n:
+                return b, (segment - start) // n, (segment - start) % n
+        raise IndexError(f"segment {segment} out of range for {self.num_segments} segments")
 
     # ---------------------------------------------------------------- helpers
     def visible_pairs(self, batch: PagedPrefillBatch) -> int:
