@@ -14,6 +14,8 @@ import re
 import sys
 from pathlib import Path
 
+from sphinx.application import Sphinx
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 COMPONENTS = ("kernel", "index", "correction", "serving")
@@ -35,13 +37,11 @@ def _read_version(component: str) -> str:
 # -- Project -----------------------------------------------------------------
 project = "fpv2"
 author = "fpv2 contributors"
-copyright = "fpv2 contributors"  # noqa: A001 (Sphinx option name)
+copyright = "fpv2 contributors"
 release = _read_version("kernel")
 version = release
 # Made available to the pages as |fpv2_kernel_version| etc.
-rst_epilog = "\n".join(
-    f".. |fpv2_{name}_version| replace:: {_read_version(name)}" for name in COMPONENTS
-)
+rst_epilog = "\n".join(f".. |fpv2_{name}_version| replace:: {_read_version(name)}" for name in COMPONENTS)
 
 # -- General -----------------------------------------------------------------
 extensions = [
@@ -62,16 +62,42 @@ autodoc_default_options = {
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
 autodoc_preserve_defaults = True
-# Only genuinely optional heavy modules are mocked (torch is a hard dependency).
-autodoc_mock_imports = [m for m in ("triton",) if importlib.util.find_spec(m) is None]
+
+
+def _missing(module: str) -> bool:
+    """Whether ``module`` cannot be imported here (then autodoc mocks it)."""
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+# Only genuinely optional heavy modules are mocked (torch is a hard dependency): Triton
+# (the fpv2-kernel[triton] extra) when the docs environment lacks it.
+autodoc_mock_imports = [m for m in ("triton",) if _missing(m)]
 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_include_init_with_doc = False
 napoleon_use_rtype = False
+# Attributes sections as field lists: no duplicate targets with dataclass/NamedTuple members.
+napoleon_use_ivar = True
 
 # -- HTML ----------------------------------------------------------------------
 # furo when it is installed (docs/requirements.txt), alabaster otherwise.
 html_theme = "furo" if importlib.util.find_spec("furo") is not None else "alabaster"
 html_title = f"fpv2 {release}"
 html_static_path: list[str] = []
+
+
+def _skip_namedtuple_aliases(app: Sphinx, what: str, name: str, obj: object, skip: bool, options: object) -> bool:
+    """Hide the ``Alias for field number N`` members of NamedTuples (their Attributes section documents them)."""
+    doc = getattr(obj, "__doc__", None) or ""
+    if what == "class" and doc.startswith("Alias for field number"):
+        return True
+    return skip
+
+
+def setup(app: Sphinx) -> None:
+    """Connect the event handlers above."""
+    app.connect("autodoc-skip-member", _skip_namedtuple_aliases)
