@@ -77,9 +77,7 @@ def validate_prefill_native(
 ) -> None:
     """Check one prefill call's arguments with the library's validator (metadata only, no sync).
 
-    Args:
-        q, k_cache, v_cache, out, batch, index, plan, lse, q_descale, k_descale, v_descale,
-            softmax_scale: as for :func:`hopper_prefill`.
+    All arguments are as for :func:`hopper_prefill`.
 
     Raises:
         ValueError: malformed or inconsistent arguments (the message names the field).
