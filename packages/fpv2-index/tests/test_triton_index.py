@@ -363,7 +363,7 @@ def test_exact_nnz_false_pads_without_changing_the_index() -> None:
     q = w.q.to(torch.float16)
     config = _small_config()
     stats = pool_blocks(w.k_cache, None, w.batch, block_size=16)
-    exact = select_blocks_triton(q, w.batch, stats, config=config)
+    exact = select_blocks_triton(q, w.batch, stats, config=config, exact_nnz=True)
     padded = select_blocks_triton(q, w.batch, stats, config=config, exact_nnz=False)
     assert torch.equal(exact.offsets, padded.offsets)
     nnz = int(exact.offsets[-1])
@@ -544,7 +544,7 @@ def test_gpu_fast_path_makes_no_host_sync() -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            select_blocks_triton(w.q, batch, stats, config=config, workspace=ws)
+            select_blocks_triton(w.q, batch, stats, config=config, workspace=ws, exact_nnz=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [c for c in caught if "synchroniz" in str(c.message)]

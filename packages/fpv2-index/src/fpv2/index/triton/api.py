@@ -3,10 +3,10 @@
 Host-side data: both functions size their outputs and grids from
 ``batch.host`` (the batch's cached host copy of ``cu_seqlens_q`` and
 ``seqlens_k``, read once per batch) and never read device values otherwise.
-:func:`select_blocks_triton` with ``exact_nnz=True`` (the default) makes one
-extra 4-byte read, ``offsets[-1]``, because the :class:`~fpv2.kernel.BlockIndex`
-contract wants ``blocks`` to hold exactly ``nnz`` ids; ``exact_nnz=False``
-makes no host sync at all (see its docstring for the price).
+:func:`select_blocks_triton` makes no host sync by default: ``blocks`` is sized
+for every causally visible pair and the :class:`~fpv2.kernel.BlockIndex`
+contract lets it carry that spare capacity; ``exact_nnz=True`` trims it at the
+price of one 4-byte read of ``offsets[-1]``.
 
 Both run on CUDA tensors, or on CPU tensors under the Triton interpreter
 (``TRITON_INTERPRET=1``, for tests).
@@ -267,7 +267,7 @@ def select_blocks_triton(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     workspace: IndexWorkspace | None = None,
-    exact_nnz: bool = True,
+    exact_nnz: bool = False,
 ) -> BlockIndex:
     """Fused max-threshold selection: the same index as :func:`fpv2.index.reference.select_blocks`.
 
@@ -289,11 +289,9 @@ def select_blocks_triton(
             applied: the statistics are already dequantised (as in the reference).
         workspace: scratch reused across calls; None allocates a fresh one for this call.
         exact_nnz: size ``blocks`` exactly, which reads ``offsets[-1]`` on the host (one 4-byte sync).
-            With False there is no host sync: ``blocks`` has room for every causally visible
-            (tile, block) pair, its first ``offsets[-1]`` entries are the index and the rest hold -1.
-            Kernels, which only read ``blocks[offsets[s]:offsets[s+1]]``, accept it; ``BlockIndex.nnz``,
-            ``density``, ``to_dense_mask`` and ``validate_values`` assume ``blocks.numel() == offsets[-1]``
-            and do not.
+            With False (the default) there is no host sync: ``blocks`` has room for every causally
+            visible (tile, block) pair, its first ``offsets[-1]`` entries are the index and the rest
+            hold -1 (spare capacity, which the block index contract allows and kernels never read).
 
     Returns:
         The :class:`~fpv2.kernel.BlockIndex` (built with ``check_values=False``), segment order

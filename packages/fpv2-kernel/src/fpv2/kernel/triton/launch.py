@@ -203,7 +203,7 @@ def sparse_attention_triton(
         seg_request,
         tile_offsets,
         index.offsets if index is not None else dummy_i32,
-        index.blocks if index is not None and index.nnz > 0 else dummy_i32,
+        index.blocks if index is not None and index.blocks.numel() > 0 else dummy_i32,
         q_descale.contiguous() if q_descale is not None else dummy_f32,
         k_descale.contiguous() if k_descale is not None else dummy_f32,
         v_descale.contiguous() if v_descale is not None else dummy_f32,
