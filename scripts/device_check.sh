@@ -22,7 +22,7 @@
 #   PYTHON                   interpreter [python3]
 #   FPV2_INSTALL             "pip" to try a pip install first [PYTHONPATH only]
 #   FPV2_BUDGET_S            seconds for the whole script [570]
-#   FPV2_PYTEST_TIMEOUT      seconds for the tests [200]
+#   FPV2_PYTEST_TIMEOUT      seconds for the tests [300] (the first Triton compiles of the grid take ~2 min)
 #   FPV2_PYTEST_MARKERS      pytest -m expression ["gpu or hopper"]
 #   FPV2_PYTEST_ARGS         extra pytest arguments []
 #   FPV2_TEST_PACKAGES       packages to test, e.g. "fpv2-serving fpv2-index" [all]
@@ -186,22 +186,29 @@ step_bench() {
 
 # Merge every bench folder into $OUT (within its 8-file limit) and print the short table.
 step_collect() {
-    "$PYTHON" - "$WORK" "$OUT" <<'PY'
+    "$PYTHON" - "$WORK" "$OUT" "$ROOT" <<'PY'
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
-work, out = Path(sys.argv[1]), Path(sys.argv[2])
+work, out, root = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 summary, results, pngs = [], [], []
+
+
+def relative(text: str) -> str:
+    """Results get committed: keep this machine's folders out of them."""
+    return text.replace(str(work), "<workdir>").replace(root, ".")
+
+
 for folder in sorted(work.glob("bench-L*"), key=lambda p: int(p.name[len("bench-L"):])):
     if (folder / "summary.json").exists():
         summary += json.loads((folder / "summary.json").read_text())
     results += [json.loads(p.read_text()) for p in sorted(folder.glob("bench-*.json"))]
     pngs += sorted(folder.glob("*.png"))
-(out / "h200-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-(out / "bench-results.json").write_text(json.dumps(results, indent=2) + "\n")
+(out / "h200-summary.json").write_text(relative(json.dumps(summary, indent=2)) + "\n")
+(out / "bench-results.json").write_text(relative(json.dumps(results, indent=2)) + "\n")
 for png in pngs[:3]:
     shutil.copy(png, out / png.name)
 if len(pngs) > 3:
@@ -225,12 +232,12 @@ PY
 }
 
 main() {
-    echo "fpv2 device check, $(date -u +%Y-%m-%dT%H:%M:%SZ), root $ROOT, output $OUT, budget ${BUDGET}s"
+    echo "fpv2 device check, $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET}s"
     setup_python
     run_step gpu-info 60 step_gpu_info
     run_step fpv2-info 120 fpv2 info
     if [[ "${FPV2_SKIP_TESTS:-0}" != 1 ]]; then
-        run_step gpu-tests "${FPV2_PYTEST_TIMEOUT:-200}" step_tests
+        run_step gpu-tests "${FPV2_PYTEST_TIMEOUT:-300}" step_tests
     fi
     if [[ "${FPV2_SKIP_BENCH:-0}" != 1 ]]; then
         local seqlen
