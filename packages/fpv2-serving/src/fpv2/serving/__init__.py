@@ -16,6 +16,8 @@ _check_siblings("fpv2-serving")
 
 if TYPE_CHECKING:
     from .backends import available_backends
+    from .chunked import ChunkedPrefillPipeline, ChunkedPrefillResult, ChunkResult
+    from .chunked_state import ChunkedPrefillState
     from .pipeline import PrefillResult, SparsePrefillPipeline
     from .timing import StageTimings
 
@@ -24,9 +26,23 @@ _LAZY = {
     "PrefillResult": "pipeline",
     "StageTimings": "timing",
     "available_backends": "backends",
+    "ChunkedPrefillPipeline": "chunked",
+    "ChunkedPrefillResult": "chunked",
+    "ChunkResult": "chunked",
+    "ChunkedPrefillState": "chunked_state",
 }
 
-__all__ = ["PrefillResult", "SparsePrefillPipeline", "StageTimings", "__version__", "available_backends"]
+__all__ = [
+    "ChunkResult",
+    "ChunkedPrefillPipeline",
+    "ChunkedPrefillResult",
+    "ChunkedPrefillState",
+    "PrefillResult",
+    "SparsePrefillPipeline",
+    "StageTimings",
+    "__version__",
+    "available_backends",
+]
 
 
 def __getattr__(name: str) -> object:
