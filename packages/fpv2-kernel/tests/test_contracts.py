@@ -292,3 +292,13 @@ def test_statistics_and_plan_validation():
         CorrectionPlan(stats, chunk_size=32)
     with pytest.raises(ValueError, match="come together"):
         CorrectionPlan(stats, todo_offsets=torch.zeros(2, dtype=torch.int32))
+
+
+def test_assume_host_view_spares_the_read_and_checks_counts():
+    from fpv2.kernel.contracts import HostBatchView
+
+    batch = make_batch()
+    seeded = batch.assume_host_view(HostBatchView(cu_seqlens_q=[0, 5, 5, 12], seqlens_k=[300, 10, 7]))
+    assert seeded is batch and batch.max_seqlen_k == 300 and batch.total_q == 12
+    with pytest.raises(ValueError, match="host view must hold 4 query offsets and 3 KV lengths; got 3 and 3"):
+        make_batch().assume_host_view(HostBatchView(cu_seqlens_q=[0, 5, 12], seqlens_k=[300, 10, 7]))

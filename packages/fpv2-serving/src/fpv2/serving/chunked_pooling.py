@@ -78,9 +78,8 @@ def batch_from_host(
         num_pages=num_pages,
         check_values=False,
     )
-    # functools.cached_property keeps its value in the instance dict: seed it with the host lists.
-    batch.__dict__["host"] = HostBatchView(cu_seqlens_q=cu, seqlens_k=[int(k) for k in seqlens_k])
-    return batch
+    # The caller's host lists spare the batch a device read of its lengths.
+    return batch.assume_host_view(HostBatchView(cu_seqlens_q=cu, seqlens_k=[int(k) for k in seqlens_k]))
 
 
 def _pool_touched_paged(

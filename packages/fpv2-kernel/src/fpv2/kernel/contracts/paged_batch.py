@@ -136,6 +136,32 @@ class PagedPrefillBatch:
             seqlens_k=self.seqlens_k.cpu().tolist(),
         )
 
+    def assume_host_view(self, host: HostBatchView) -> PagedPrefillBatch:
+        """Hand the batch host copies of its offsets and lengths that the caller already holds.
+
+        Engines keep CPU copies of their sequence lengths; seeding the view spares
+        the device read that :attr:`host` would otherwise make once per batch. The
+        values are trusted, only their counts are checked: they must equal the
+        device arrays (``check_values`` validates those).
+
+        Args:
+            host: the host lists, ``B+1`` query offsets and ``B`` KV lengths.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            ValueError: the lists do not have ``B+1`` and ``B`` entries.
+        """
+        if len(host.cu_seqlens_q) != self.num_requests + 1 or len(host.seqlens_k) != self.num_requests:
+            raise ValueError(
+                f"host view must hold {self.num_requests + 1} query offsets and {self.num_requests} KV lengths; "
+                f"got {len(host.cu_seqlens_q)} and {len(host.seqlens_k)}"
+            )
+        # functools.cached_property stores its value in the instance dict (frozen dataclasses allow it).
+        self.__dict__["host"] = host
+        return self
+
     @property
     def total_q(self) -> int:
         """Total number of packed queries (host sync on first use)."""

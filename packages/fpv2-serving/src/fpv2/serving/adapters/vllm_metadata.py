@@ -188,7 +188,7 @@ def prefill_batch_from_vllm(
     if host is not None:
         # Seed the cached host view from vLLM's CPU copies: the pipeline reads the
         # lengths on the host, and this spares every layer of the step that sync.
-        batch.__dict__["host"] = host
+        batch.assume_host_view(host)
     return batch
 
 
