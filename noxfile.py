@@ -38,9 +38,14 @@ def _native_expected() -> bool:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite; GPU-marked tests skip without CUDA. ``nox -s tests -- -k name`` passes pytest options."""
+    session.install(TORCH, TRITON)
+    # The real engine interfaces (SGLang, vLLM, transformers) for the adapter tests, pinned, without
+    # letting pip swap the CPU torch for another build.
+    session.install("--no-deps", "-r", "packages/fpv2-serving/requirements-engines.txt")
     _install_project(session)
     # Without a GPU the Triton kernels run (and are tested) under the interpreter.
     env = {"TRITON_INTERPRET": "1"} if shutil.which("nvidia-smi") is None else {}
+    env["HF_HUB_OFFLINE"] = "1"  # tests build their tiny models locally; nothing is downloaded
     if _native_expected():
         # nvcc is here, so the kernel wheel must have built its library: its tests may not skip.
         env["FPV2_REQUIRE_NATIVE"] = "1"
