@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("error: --device cuda but no CUDA GPU here (use --device cpu for a dry run)", file=sys.stderr)
             return 2
+        if device.index is None:  # torch 2.11 refuses set_device("cuda") without an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     notes = []
     if device.type != "cuda":
