@@ -8,10 +8,29 @@ and names the corrected reference attention.
 from fpv2.kernel._compat import check_siblings as _check_siblings
 
 from ._version import __version__
+from .diagnostics import (
+    CorrectionErrorReport,
+    CovarianceErrorEstimate,
+    TileMassShare,
+    correction_error_report,
+    covariance_error_estimate,
+    pruned_mass_share,
+)
 from .plan import build_correction_plan
 from .reference import corrected_attention
 from .statistics import compute_block_statistics
 
 _check_siblings("fpv2-correction")
 
-__all__ = ["__version__", "build_correction_plan", "compute_block_statistics", "corrected_attention"]
+__all__ = [
+    "CorrectionErrorReport",
+    "CovarianceErrorEstimate",
+    "TileMassShare",
+    "__version__",
+    "build_correction_plan",
+    "compute_block_statistics",
+    "corrected_attention",
+    "correction_error_report",
+    "covariance_error_estimate",
+    "pruned_mass_share",
+]
