@@ -416,6 +416,16 @@ def test_registered_options_reach_the_backend():
             sgl.ATTENTION_BACKEND_CHOICES.remove("fpv2_dense")
 
 
+def _wheel_declares_sglang_plugin() -> bool:
+    from importlib import metadata
+
+    try:
+        eps = metadata.distribution("fpv2-serving").entry_points
+    except metadata.PackageNotFoundError:
+        return False
+    return any(ep.group == sgl.GENERAL_PLUGINS_GROUP and ep.name == "fpv2" for ep in eps)
+
+
 def test_plugin_entry_point_is_loaded_by_sglang(tmp_path, monkeypatch):
     # A dist-info that declares the entry point the fpv2-serving wheel declares.
     dist = tmp_path / "fpv2_sglang_probe-0.0.0.dist-info"
@@ -434,7 +444,8 @@ def test_plugin_entry_point_is_loaded_by_sglang(tmp_path, monkeypatch):
     try:
         plugins = sgl.load_plugins_by_group(sgl.GENERAL_PLUGINS_GROUP)
         assert plugins["fpv2"][0] is register
-        assert plugins["fpv2"][1] == "fpv2-sglang-probe"
+        # The installed fpv2-serving wheel declares the same entry point; it wins when present.
+        assert plugins["fpv2"][1] == ("fpv2-serving" if _wheel_declares_sglang_plugin() else "fpv2-sglang-probe")
         assert "fpv2" not in sgl.attention_registry.ATTENTION_BACKENDS
         plugins["fpv2"][0]()  # what load_plugins() does with it
         assert getattr(sgl.attention_registry.ATTENTION_BACKENDS["fpv2"], "__fpv2_sglang_factory__", False)
