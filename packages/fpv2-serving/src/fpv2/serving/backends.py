@@ -52,7 +52,23 @@ class AttentionBackend(Protocol):
         k_descale: torch.Tensor | None,
         v_descale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Block-sparse attention of validated inputs: ``(total_q, Hq, d)`` output."""
+        """Block-sparse attention of validated inputs.
+
+        Args:
+            q: ``(total_q, Hq, d)`` packed queries.
+            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
+            v_cache: paged values, same shape as ``k_cache``.
+            batch: the batch metadata.
+            index: kept blocks per (request, KV head, tile).
+            plan: correction plan, or None for no correction.
+            softmax_scale: logit scale (None: ``1/sqrt(d)``).
+            q_descale: FP8 query descales ``(B, Hkv)`` or None.
+            k_descale: FP8 key descales or None.
+            v_descale: FP8 value descales or None.
+
+        Returns:
+            ``(total_q, Hq, d)`` output in :func:`output_dtype` of the inputs.
+        """
         ...
 
 
@@ -97,17 +113,7 @@ class ReferenceBackend:
     ) -> torch.Tensor:
         """Run :func:`fpv2.kernel.reference.sparse.sparse_attention` and cast to the output dtype.
 
-        Args:
-            q: ``(total_q, Hq, d)`` packed queries.
-            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
-            v_cache: paged values, same shape as ``k_cache``.
-            batch: the batch metadata.
-            index: kept blocks per (request, KV head, tile).
-            plan: correction plan, or None for no correction.
-            softmax_scale: logit scale (None: ``1/sqrt(d)``).
-            q_descale: FP8 query descales ``(B, Hkv)`` or None.
-            k_descale: FP8 key descales or None.
-            v_descale: FP8 value descales or None.
+        Arguments as for :meth:`AttentionBackend.run`.
 
         Returns:
             ``(total_q, Hq, d)`` output in :func:`output_dtype` of the inputs.
@@ -177,17 +183,7 @@ class TritonBackend:
     ) -> torch.Tensor:
         """Run the Triton kernel.
 
-        Args:
-            q: ``(total_q, Hq, d)`` packed queries.
-            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
-            v_cache: paged values, same shape as ``k_cache``.
-            batch: the batch metadata.
-            index: kept blocks per (request, KV head, tile).
-            plan: correction plan, or None for no correction.
-            softmax_scale: logit scale (None: ``1/sqrt(d)``).
-            q_descale: FP8 query descales ``(B, Hkv)`` or None.
-            k_descale: FP8 key descales or None.
-            v_descale: FP8 value descales or None.
+        Arguments as for :meth:`AttentionBackend.run`.
 
         Returns:
             ``(total_q, Hq, d)`` output in :func:`output_dtype` of the inputs.
@@ -249,17 +245,7 @@ class HopperBackend:
     ) -> torch.Tensor:
         """Run ``fpv2.kernel._native.hopper_prefill`` into a fresh output tensor.
 
-        Args:
-            q: ``(total_q, Hq, d)`` packed queries.
-            k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
-            v_cache: paged values, same shape as ``k_cache``.
-            batch: the batch metadata.
-            index: kept blocks per (request, KV head, tile).
-            plan: correction plan, or None for no correction.
-            softmax_scale: logit scale (None: ``1/sqrt(d)``).
-            q_descale: FP8 query descales ``(B, Hkv)`` or None.
-            k_descale: FP8 key descales or None.
-            v_descale: FP8 value descales or None.
+        Arguments as for :meth:`AttentionBackend.run`.
 
         Returns:
             ``(total_q, Hq, d)`` output.
