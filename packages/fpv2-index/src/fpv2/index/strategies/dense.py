@@ -56,7 +56,7 @@ class DenseStrategy:
                 q_len, prefix, shapes.group, tile_size=config.tile_size, block_size=config.block_size, device=q.device
             )
             visible = (tiles.last_visible_block + 1).to(torch.int32)
-            per_head = torch.cat([torch.arange(int(n), dtype=torch.int32, device=q.device) for n in visible.tolist()])
+            per_head = _ranges(visible)
             for _ in range(shapes.num_kv_heads):
                 counts.append(visible)
                 ids.append(per_head)
@@ -69,3 +69,12 @@ class DenseStrategy:
             tile_size=config.tile_size,
             block_size=config.block_size,
         )
+
+
+def _ranges(lengths: torch.Tensor) -> torch.Tensor:
+    """``0..n-1`` for each ``n`` of ``lengths``, concatenated, in one vectorised pass (no per-tile tensors)."""
+    lengths = lengths.long()
+    total = int(lengths.sum())
+    starts = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(total, device=lengths.device)
+    return (positions - torch.repeat_interleave(starts, lengths, output_size=total)).to(torch.int32)
