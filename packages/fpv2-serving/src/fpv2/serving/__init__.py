@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from .chunked import ChunkedPrefillPipeline, ChunkedPrefillResult, ChunkResult
     from .chunked_state import ChunkedPrefillState
     from .pipeline import PrefillResult, SparsePrefillPipeline
+    from .routing import DensityRouter, RoutedPrefillPipeline, RoutingTable
+    from .soak import SoakConfig, run_soak
     from .timing import StageTimings
 
 _LAZY = {
@@ -30,6 +32,11 @@ _LAZY = {
     "ChunkedPrefillResult": "chunked",
     "ChunkResult": "chunked",
     "ChunkedPrefillState": "chunked_state",
+    "DensityRouter": "routing",
+    "RoutedPrefillPipeline": "routing",
+    "RoutingTable": "routing",
+    "SoakConfig": "soak",
+    "run_soak": "soak",
 }
 
 __all__ = [
@@ -37,11 +44,16 @@ __all__ = [
     "ChunkedPrefillPipeline",
     "ChunkedPrefillResult",
     "ChunkedPrefillState",
+    "DensityRouter",
     "PrefillResult",
+    "RoutedPrefillPipeline",
+    "RoutingTable",
+    "SoakConfig",
     "SparsePrefillPipeline",
     "StageTimings",
     "__version__",
     "available_backends",
+    "run_soak",
 ]
 
 

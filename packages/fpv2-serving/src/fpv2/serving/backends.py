@@ -203,6 +203,39 @@ class TritonBackend:
             v_descale=v_descale,
         )
 
+    def run_dense(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        *,
+        softmax_scale: float | None,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The kernel's dense mode: every causally visible block, no block index to build.
+
+        Arguments as for :meth:`AttentionBackend.run`, without index and plan.
+
+        Returns:
+            ``(total_q, Hq, d)`` output in :func:`output_dtype` of the inputs.
+        """
+        from fpv2.kernel.triton import sparse_attention_triton
+
+        return sparse_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            batch,
+            None,
+            softmax_scale=softmax_scale,
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+        )
+
 
 class HopperBackend:
     """The native Hopper (sm_90a) kernel, loaded through the C ABI of ``fpv2.kernel._native``."""
