@@ -69,6 +69,34 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def native(session: nox.Session) -> None:
+    """Build the sm_90a Hopper dense kernel and its test programs; run their host-only checks.
+
+    Needs nvcc (no GPU): keeps the CuTe kernel compiling, checks the fragment and tile
+    algebra (``fpv2_hopper_layout_check``) and the launcher's refusals. Its GPU modes run on
+    the device through ``scripts/hopper_check.sh``.
+    """
+    if shutil.which("nvcc") is None:
+        session.skip("nvcc not found")
+    session.install(*BUILD_REQUIREMENTS)
+    cutlass = session.run(
+        "python",
+        "-c",
+        "import importlib.util as u, os; "
+        "print(os.path.join(u.find_spec('cutlass_library').submodule_search_locations[0], 'source', 'include'))",
+        silent=True,
+    ).strip()
+    build_dir = os.path.join(session.create_tmp(), "hopper-build")
+    session.run(
+        "cmake", "-S", "packages/fpv2-kernel", "-B", build_dir, "-G", "Ninja",
+        "-DFPV2_BUILD_HOPPER_KERNEL=ON", f"-DFPV2_CUTLASS_DIR={cutlass}",
+    )  # fmt: skip
+    session.run("cmake", "--build", build_dir, "-j", str(os.cpu_count() or 2))
+    session.run(os.path.join(build_dir, "fpv2_hopper_layout_check"), external=True)
+    session.run(os.path.join(build_dir, "fpv2_hopper_dense_test"), "--mode", "refusals", external=True)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff lint and format check."""
     session.install("ruff")

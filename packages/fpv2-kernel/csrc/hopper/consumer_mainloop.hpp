@@ -1,0 +1,130 @@
+// The consumer side of the dense prefill kernel: one call per consumer warpgroup thread (256 threads,
+// two warpgroups, 64 query rows each).
+//
+// Per tile: gather the warpgroup's PackGQA Q rows (cp.async), then for every visible KV block, last first:
+//   S = Q K^T          SS wgmma, fp32 accumulators; K stage released as soon as the product is done;
+//   mask               only in the diagonal band (n >= n_block_masked), by replacement with -inf;
+//   online softmax     exp2 with the log2(e)-folded scale, O rescaled in registers;
+//   P -> bf16          in registers, regrouped as the A operand (no shared-memory round trip);
+//   O += P V           RS wgmma; V stage released after the product.
+// The blocks are split into a masked loop and an unmasked loop so that the steady state carries no mask.
+//
+// Not yet here (next steps of issue 5): intra-warpgroup overlap (QK of block n-1 issued before the
+// softmax of block n, one wgmma batch kept in flight) and the inter-warpgroup scheduling barrier that
+// lets one warpgroup's softmax hide under the other's GEMMs; a persistent tile scheduler.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "hopper/causal_mask.hpp"
+#include "hopper/epilogue_store.hpp"
+#include "hopper/fragment_layouts.hpp"
+#include "hopper/kv_pipeline.hpp"
+#include "hopper/named_barriers.hpp"
+#include "hopper/online_softmax.hpp"
+#include "hopper/packgqa_q_loader.hpp"
+#include "hopper/value_tail_guard.hpp"
+#include "hopper/warpgroup_gemm.hpp"
+
+namespace fpv2::hopper {
+
+template <class Traits>
+struct ConsumerMainloop {
+  using Element = typename Traits::Element;
+  using TileS = cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<Traits::kBlockN>>;
+  using TileO = cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<Traits::kHeadDim>>;
+
+  template <class Params, class Geometry, class Storage>
+  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int consumer_thread) {
+    using namespace cute;
+    using Pipeline = KvPipeline<Traits::kStages>;
+    const int wg = consumer_thread / Traits::kThreadsPerWarpGroup;
+    const int thread_in_wg = consumer_thread % Traits::kThreadsPerWarpGroup;
+
+    typename Traits::TiledMmaQK mma_qk;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(consumer_thread);
+    auto thr_pv = mma_pv.get_thread_slice(consumer_thread);
+    // Operand descriptors depend only on the warpgroup: slice at its first thread.
+    auto wg_qk = mma_qk.get_thread_slice(wg * Traits::kThreadsPerWarpGroup);
+    auto wg_pv = mma_pv.get_thread_slice(wg * Traits::kThreadsPerWarpGroup);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});    // (M, d)
+    Tensor sK = make_tensor(make_smem_ptr(smem.k), typename Traits::SmemLayoutK{});    // (N, d, stages)
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename Traits::SmemLayoutVt{});  // (d, N, stages)
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+
+    Tensor tSrS = partition_fragment_C(mma_qk, TileS{});  // fp32 scores of the thread
+    Tensor tOrO = partition_fragment_C(mma_pv, TileO{});  // fp32 output accumulators
+    Tensor tSrS_rc = make_tensor(tSrS.data(), accumulator_rows_cols(tSrS.layout()));
+    Tensor tOrO_rc = make_tensor(tOrO.data(), accumulator_rows_cols(tOrO.layout()));
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(TileS{}));  // (row, col) of each score
+    Tensor tScS_rc = make_tensor(tScS.data(), accumulator_rows_cols(tScS.layout()));
+    constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
+    static_assert(kRows == decltype(size<0>(tOrO_rc))::value, "S and O rows of a thread coincide");
+    constexpr int kScores = decltype(size(tSrS))::value;
+    using PFragmentLayout = decltype(accumulator_as_operand_a(tSrS.layout()));
+    static_assert(decltype(size(PFragmentLayout{}))::value == kScores, "P reuses every score register");
+    static_assert(decltype(size<2>(PFragmentLayout{}))::value == decltype(size<2>(tOrV))::value,
+                  "P has one A fragment per k-block of the PV product");
+
+    // Q: this warpgroup's 64 packed rows, visible to all its threads before the first wgmma.
+    PackGqaQueryLoader<Traits>::load(sQ, params, tile, wg, thread_in_wg);
+    cutlass::arch::NamedBarrier::sync(Traits::kThreadsPerWarpGroup,
+                                      barrier_id(ConsumerBarrier::kQueryReadyWarpGroup1) + wg);
+
+    clear(tOrO);
+    OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);
+    const CausalMask<kRows, Traits::kBlockN> mask(tScS_rc, tile, params.group);
+    Pipeline pipeline_k(smem.pipeline_k);
+    Pipeline pipeline_v(smem.pipeline_v);
+    auto state = Pipeline::consumer_start();
+
+    auto process_block = [&](int n_block, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+      pipeline_k.consumer_wait(state);
+      warpgroup_gemm</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state.stage), tSrS);
+      pipeline_k.consumer_release(state);
+      if constexpr (kMasked) {
+        mask.apply(tSrS_rc, tScS_rc, n_block);
+      }
+      softmax.step(tSrS_rc, tOrO_rc);
+
+      // P in bf16, same register order, viewed as the RS A operand.
+      cutlass::NumericArrayConverter<Element, float, kScores> to_bf16;
+      auto p_values = to_bf16(*reinterpret_cast<cutlass::Array<float, kScores> const*>(tSrS.data()));
+      Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_values.data()), PFragmentLayout{});
+
+      pipeline_v.consumer_wait(state);
+      if constexpr (kMasked) {
+        if (tile.is_partial_tail_block(n_block)) {
+          ValueTailGuard<Traits>::clear(sVt, state.stage, tile.seqlen_k - n_block * Traits::kBlockN,
+                                        consumer_thread);
+        }
+      }
+      warpgroup_gemm</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, state.stage), tOrO);
+      pipeline_v.consumer_release(state);
+      state.advance();
+    };
+
+    int n_block = tile.n_block_max - 1;
+    CUTE_NO_UNROLL
+    for (; n_block >= tile.n_block_masked; --n_block) {
+      process_block(n_block, cute::true_type{});
+    }
+    CUTE_NO_UNROLL
+    for (; n_block >= 0; --n_block) {
+      process_block(n_block, cute::false_type{});
+    }
+
+    float lse[kRows];
+    softmax.finalize(tOrO_rc, lse);
+    EpilogueStore<Traits>::store(params, tile, tOrO, thr_pv, lse);
+  }
+};
+
+}  // namespace fpv2::hopper

@@ -1,0 +1,81 @@
+// The sm_90a dense causal prefill kernel: warp roles, register reallocation and the shared-memory
+// pipeline set-up around the producer (kv_producer.hpp) and the consumers (consumer_mainloop.hpp).
+//
+// Grid: one CTA per (query tile of the longest request, KV head, request), 1-D; block: 384 threads (producer
+// warpgroup + two consumer warpgroups); one CTA per SM (~162 KB of shared memory). Slots past a request's
+// last tile exit at once.
+//
+// Not yet here (next steps of issue 5): a persistent scheduler ordered by work (heaviest first), split-KV,
+// pingpong of the two consumer warpgroups, the cp.async gather for page sizes that are not a multiple of
+// 128, the block-sparse CSR traversal and the mean correction.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+
+#include "hopper/consumer_mainloop.hpp"
+#include "hopper/dense_prefill_params.hpp"
+#include "hopper/kv_pipeline.hpp"
+#include "hopper/kv_producer.hpp"
+#include "hopper/shared_storage.hpp"
+#include "hopper/tile_geometry.hpp"
+
+// wgmma and setmaxnreg exist only for the architecture-specific target sm_90a.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "fpv2: the Hopper dense prefill kernel needs -gencode=arch=compute_90a,code=sm_90a"
+#endif
+
+namespace fpv2::hopper {
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    dense_prefill_kernel(__grid_constant__ const DensePrefillParams<Traits> params) {
+  using Storage = DensePrefillSharedStorage<Traits>;
+  using Geometry = TileGeometry<Traits::kBlockM, Traits::kBlockN>;
+  using Pipeline = KvPipeline<Traits::kStages>;
+
+  extern __shared__ char smem_raw[];
+  const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
+  Storage& smem = *reinterpret_cast<Storage*>((base + kSmemTileAlignment - 1) & ~uintptr_t(kSmemTileAlignment - 1));
+
+  // 1-D grid, (KV head, request) fastest and the query tile slowest, tiles in decreasing order: the CTAs
+  // dispatched first are the ones with the longest causal rows of every head and request.
+  const int heads_x_requests = params.num_kv_heads * params.num_requests;
+  const int slot = int(blockIdx.x) % heads_x_requests;
+  const int m_block = params.num_m_blocks - 1 - int(blockIdx.x) / heads_x_requests;
+  const Geometry tile = Geometry::load(slot / params.num_kv_heads, slot % params.num_kv_heads, m_block, params.group,
+                                       params.cu_seqlens_q, params.seqlens_k);
+  if (!tile.valid()) {
+    return;  // uniform over the CTA, before any barrier
+  }
+
+  const int warp = cutlass::canonical_warp_idx_sync();
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    // One arrival per consumer warp releases a stage (KvPipeline::consumer_release).
+    Pipeline::init(smem.pipeline_k, Traits::kNumConsumerThreads / 32);
+    Pipeline::init(smem.pipeline_v, Traits::kNumConsumerThreads / 32);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Each warpgroup's role is one branch, with its setmaxnreg first, as ptxas needs to honour it.
+  if (warp < Traits::kThreadsPerWarpGroup / 32) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (warp == 0 && cute::elect_one_sync()) {
+      KvProducer<Traits>::run(params, tile, smem);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    ConsumerMainloop<Traits>::run(params, tile, smem, int(threadIdx.x) - Traits::kThreadsPerWarpGroup);
+  }
+}
+
+}  // namespace fpv2::hopper

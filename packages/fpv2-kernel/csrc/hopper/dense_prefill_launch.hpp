@@ -1,0 +1,129 @@
+// Host side of one instantiation of the dense prefill kernel: TMA descriptors over the paged cache,
+// kernel parameters, grid, shared-memory opt-in and the launch. Included by the instantiation files only
+// (it pulls in CuTe and the kernel).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <cuda_runtime_api.h>
+
+#include <cute/tensor.hpp>
+
+#include "abi/errors.hpp"
+#include "hopper/dense_prefill_instances.hpp"
+#include "hopper/dense_prefill_kernel.hpp"
+#include "hopper/dense_prefill_params.hpp"
+#include "hopper/dense_prefill_plan.hpp"
+#include "hopper/dense_prefill_traits.hpp"
+#include "hopper/shared_storage.hpp"
+
+namespace fpv2::hopper {
+
+namespace detail {
+
+// CuTe encodes TMA descriptors through the driver entry point cuTensorMapEncodeTiled and asserts on
+// failure; make sure the entry point resolves first so that a missing driver is reported, not asserted.
+inline int32_t check_tensor_map_entry_point() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                           &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return fpv2::detail::fail(
+        FPV2_ERROR_CUDA,
+        fpv2::detail::format("fpv2 Hopper dense prefill: the CUDA driver does not provide cuTensorMapEncodeTiled "
+                             "(needed for the TMA loads of the KV cache): %s",
+                             cudaGetErrorString(err)));
+  }
+  return FPV2_OK;
+}
+
+}  // namespace detail
+
+template <int kHeadDim>
+int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
+  using namespace cute;
+  using Traits = DensePrefillTraits<kHeadDim>;
+  using Params = DensePrefillParams<Traits>;
+  using Element = typename Traits::Element;
+
+  if (plan.head_dim != kHeadDim) {
+    return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
+                              fpv2::detail::format("fpv2 Hopper dense prefill: plan for d=%d sent to the d=%d "
+                                                   "instantiation",
+                                                   plan.head_dim, kHeadDim));
+  }
+  const int64_t packed_rows = int64_t(plan.max_seqlen_q) * plan.group;
+  const int64_t num_m_blocks = (packed_rows + Traits::kBlockM - 1) / Traits::kBlockM;
+  if (num_m_blocks == 0) {
+    return FPV2_OK;  // no query in the batch: nothing to compute
+  }
+  FPV2_RETURN_IF_ERROR(detail::check_tensor_map_entry_point());
+
+  Tensor k_rows = make_tensor(make_gmem_ptr(static_cast<Element const*>(plan.k_cache)),
+                              make_shape(plan.cache_rows, plan.cache_cols), make_stride(plan.k_token_stride, _1{}));
+  Tensor v_cols = make_tensor(make_gmem_ptr(static_cast<Element const*>(plan.v_cache)),
+                              make_shape(plan.cache_cols, plan.cache_rows), make_stride(_1{}, plan.v_token_stride));
+  constexpr float kLog2e = 1.4426950408889634f;
+  const Params params{
+      make_tma_copy(SM90_TMA_LOAD{}, k_rows, typename Traits::SmemLayoutKStage{}, typename Params::TileK{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, v_cols, typename Traits::SmemLayoutVtStage{}, typename Params::TileVt{}, _1{}),
+      plan.cache_rows,
+      plan.cache_cols,
+      static_cast<Element const*>(plan.q),
+      plan.q_token_stride,
+      plan.q_head_stride,
+      static_cast<Element*>(plan.out),
+      plan.out_token_stride,
+      plan.out_head_stride,
+      plan.lse,
+      plan.lse_token_stride,
+      plan.lse_head_stride,
+      plan.cu_seqlens_q,
+      plan.seqlens_k,
+      plan.page_table,
+      plan.page_table_stride,
+      plan.page_size / Traits::kBlockN,
+      plan.group,
+      plan.num_kv_heads,
+      plan.num_requests,
+      static_cast<int32_t>(num_m_blocks),
+      plan.softmax_scale * kLog2e,
+  };
+
+  auto kernel = dense_prefill_kernel<Traits>;
+  const int smem_bytes = static_cast<int>(dense_prefill_smem_bytes<Traits>());
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) {
+    return fpv2::detail::fail(FPV2_ERROR_CUDA,
+                              fpv2::detail::format("fpv2 Hopper dense prefill: cudaFuncSetAttribute(max dynamic "
+                                                   "shared memory = %d bytes) failed: %s",
+                                                   smem_bytes, cudaGetErrorString(err)));
+  }
+  const int64_t num_ctas = num_m_blocks * plan.num_kv_heads * plan.num_requests;
+  if (num_ctas > std::numeric_limits<int32_t>::max()) {
+    return fpv2::detail::fail(FPV2_ERROR_UNSUPPORTED,
+                              fpv2::detail::format("fpv2 Hopper dense prefill: %lld query tiles x %d KV heads x %d "
+                                                   "requests exceed the 1-D grid (2^31 - 1 CTAs)",
+                                                   static_cast<long long>(num_m_blocks), plan.num_kv_heads,
+                                                   plan.num_requests));
+  }
+  const dim3 grid(static_cast<unsigned>(num_ctas));
+  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(params);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return fpv2::detail::fail(FPV2_ERROR_CUDA,
+                              fpv2::detail::format("fpv2 Hopper dense prefill: launch of %u CTAs x %d threads with "
+                                                   "%d bytes of shared memory failed: %s",
+                                                   grid.x, Traits::kNumThreads, smem_bytes, cudaGetErrorString(err)));
+  }
+  return FPV2_OK;
+}
+
+}  // namespace fpv2::hopper

@@ -1,0 +1,67 @@
+// Device parameters of the dense prefill kernel: plain pointers, strides and sizes, plus the two TMA
+// descriptors over the paged KV cache. Passed by value as a __grid_constant__ kernel parameter so that
+// the TMA unit reads the descriptors straight from the parameter space.
+//
+// The cache (num_pages, page_size, Hkv, d) is viewed as a row-major matrix of num_pages * page_size
+// token rows and Hkv * d columns (row stride = the cache's token stride). The tile of KV block n of
+// KV head h is the 128-row, d-column box at row block page_table[b][n / blocks_per_page] *
+// blocks_per_page + n % blocks_per_page and column block h. V is described transposed, (Hkv * d, rows),
+// because its shared-memory tile is the MN-major B operand of the PV wgmma.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/tensor.hpp>
+
+namespace fpv2::hopper {
+
+template <class Traits>
+struct DensePrefillParams {
+  using Element = typename Traits::Element;
+  using CacheShape = cute::Shape<int32_t, int32_t>;
+  using RowMajorStride = cute::Stride<int64_t, cute::_1>;
+  using ColMajorStride = cute::Stride<cute::_1, int64_t>;
+  using TileK = cute::Shape<cute::Int<Traits::kBlockN>, cute::Int<Traits::kHeadDim>>;
+  using TileVt = cute::Shape<cute::Int<Traits::kHeadDim>, cute::Int<Traits::kBlockN>>;
+
+  using TmaK = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), CacheShape{}, RowMajorStride{}),
+      typename Traits::SmemLayoutKStage{}, TileK{}, cute::_1{}));
+  using TmaV = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), CacheShape{}, ColMajorStride{}),
+      typename Traits::SmemLayoutVtStage{}, TileVt{}, cute::_1{}));
+
+  TmaK tma_k;
+  TmaV tma_v;
+  int32_t cache_rows;  // num_pages * page_size
+  int32_t cache_cols;  // Hkv * d
+
+  // Queries (total_q, Hq, d) and outputs, strides in elements.
+  Element const* q;
+  int64_t q_token_stride;
+  int64_t q_head_stride;
+  Element* out;
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  float* lse;  // optional (nullptr): (total_q, Hq) fp32, natural log
+  int64_t lse_token_stride;
+  int64_t lse_head_stride;
+
+  // Batch metadata (device memory).
+  int32_t const* cu_seqlens_q;  // (B+1,)
+  int32_t const* seqlens_k;     // (B,)
+  int32_t const* page_table;    // (B, max_pages)
+  int64_t page_table_stride;
+  int32_t blocks_per_page;  // page_size / kBlockN
+
+  int32_t group;         // Hq / Hkv
+  int32_t num_kv_heads;  // Hkv
+  int32_t num_requests;  // B
+  int32_t num_m_blocks;  // query tiles of the longest request; gridDim.x = num_m_blocks * Hkv * B
+  float softmax_scale_log2;  // softmax_scale * log2(e): scores go through exp2
+};
+
+}  // namespace fpv2::hopper

@@ -1,0 +1,91 @@
+// Compile-time configuration of the sm_90a dense causal prefill kernel: tile shapes, warp roles,
+// register budgets, the two warpgroup MMAs and the shared-memory layouts they read.
+//
+// One CTA computes one PackGQA query tile: kBlockM = 128 packed rows of one KV head (FPV2_KERNEL_TILE_SIZE)
+// against the request's visible KV blocks of kBlockN = 128 tokens. Three warpgroups:
+//   WG0      producer: one elected thread of warp 0 issues the TMA loads of K and V tiles from the paged cache;
+//   WG1, WG2 consumers: each owns 64 of the 128 query rows (QK^T SS wgmma, online softmax, PV RS wgmma).
+// This first step is neither persistent nor pingponged; see dense_prefill_kernel.hpp for what comes next.
+#pragma once
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/bfloat16.h>
+
+#include "fpv2/fpv2.h"
+
+namespace fpv2::hopper {
+
+template <int kHeadDim_, int kStages_ = 2>
+struct DensePrefillTraits {
+  using Element = cutlass::bfloat16_t;
+  using Accum = float;
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;  // packed query rows per tile (PackGQA)
+  static constexpr int kBlockN = 128;  // KV tokens per tile; the paged TMA path needs page_size % kBlockN == 0
+  static constexpr int kStages = kStages_;
+  static_assert(kBlockM == FPV2_KERNEL_TILE_SIZE, "the query tile must be the index's tile (ALGORITHM.md section 2)");
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims are multiples of the 64-element swizzle atom");
+  static_assert(kStages >= 2, "one stage would serialise the producer and the consumers");
+
+  // Warp roles.
+  static constexpr int kThreadsPerWarpGroup = 128;
+  static constexpr int kNumConsumerWarpGroups = 2;
+  static constexpr int kNumConsumerThreads = kNumConsumerWarpGroups * kThreadsPerWarpGroup;
+  static constexpr int kNumThreads = kThreadsPerWarpGroup + kNumConsumerThreads;  // 384
+  static constexpr int kRowsPerConsumer = kBlockM / kNumConsumerWarpGroups;      // 64 = one wgmma M
+  static_assert(kRowsPerConsumer == 64, "each consumer warpgroup issues 64-row wgmma");
+
+  // setmaxnreg budgets. With __launch_bounds__(384, 1) the kernel starts at 65536 / 384 = 168 registers a
+  // thread; the producer (TMA only) gives most of them back so that each consumer thread can hold its
+  // 64 O accumulators, 64 S accumulators and the 32 registers of P without spilling:
+  // 128 * (24 + 2 * 240) = 64512 <= 65536.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kThreadsPerWarpGroup * (kProducerRegisters + kNumConsumerWarpGroups * kConsumerRegisters) <= 65536,
+                "the register file of one SM holds 64K 32-bit registers");
+
+  // S = Q K^T: A (Q) and B (K) from shared memory, both K-major (head dim contiguous).
+  using MmaAtomQK = decltype(cute::SM90::GMMA::ss_op_selector<Element, Element, Accum,
+                                                              cute::Shape<cute::_64, cute::Int<kBlockN>,
+                                                                          cute::Int<kHeadDim>>,
+                                                              cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  // O += P V: A (P) from registers, B (V^T viewed as (d, kv)) from shared memory, MN-major because V rows
+  // keep the head dim contiguous, as in the cache.
+  using MmaAtomPV = decltype(cute::SM90::GMMA::rs_op_selector<Element, Element, Accum,
+                                                              cute::Shape<cute::_64, cute::Int<kHeadDim>,
+                                                                          cute::Int<kBlockN>>,
+                                                              cute::GMMA::Major::K, cute::GMMA::Major::MN>());
+  // The two consumer warpgroups tile M: warpgroup w computes rows [64 w, 64 w + 64) of the tile.
+  using ConsumerAtomLayout = cute::Layout<cute::Shape<cute::Int<kNumConsumerWarpGroups>, cute::_1, cute::_1>>;
+  using TiledMmaQK = decltype(cute::make_tiled_mma(MmaAtomQK{}, ConsumerAtomLayout{}));
+  using TiledMmaPV = decltype(cute::make_tiled_mma(MmaAtomPV{}, ConsumerAtomLayout{}));
+  static_assert(cute::size(TiledMmaQK{}) == kNumConsumerThreads && cute::size(TiledMmaPV{}) == kNumConsumerThreads,
+                "both MMAs are issued by the two consumer warpgroups");
+
+  // Shared-memory layouts: 128-byte swizzle atoms (64 bf16), the widest the head dim allows, which is
+  // also what the TMA box and the wgmma descriptors expect.
+  using SmemLayoutAtomK = cute::GMMA::Layout_K_SW128_Atom<Element>;   // 8 rows x 64 elements
+  using SmemLayoutAtomV = cute::GMMA::Layout_MN_SW128_Atom<Element>;  // 64 elements x 8 columns
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemLayoutAtomK{},
+                                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      SmemLayoutAtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // V^T as (d, kv, stage), MN-major: atoms are stacked along kv first (the canonical MN-major GMMA order).
+  using SmemLayoutVt = decltype(cute::tile_to_shape(
+      SmemLayoutAtomV{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  // One stage of each, for the TMA box.
+  using SmemLayoutKStage = decltype(cute::take<0, 2>(SmemLayoutK{}));
+  using SmemLayoutVtStage = decltype(cute::take<0, 2>(SmemLayoutVt{}));
+
+  static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kTileBytesV = kBlockN * kHeadDim * int(sizeof(Element));
+  static_assert(cute::cosize_v<SmemLayoutKStage> * int(sizeof(Element)) == kTileBytesK, "K stage is one dense tile");
+  static_assert(cute::cosize_v<SmemLayoutVtStage> * int(sizeof(Element)) == kTileBytesV, "V stage is one dense tile");
+};
+
+}  // namespace fpv2::hopper

@@ -1,0 +1,66 @@
+// The producer of the dense prefill kernel: one thread issues the TMA loads of the K and V tiles of every
+// visible KV block, in the order the consumers read them (n_block_max - 1 down to 0).
+//
+// Block n of request b lives in page page_table[b][n / blocks_per_page] at row block n % blocks_per_page of
+// that page (page_size is a multiple of the 128-token tile, so a tile never straddles two pages); in the
+// (num_pages * page_size, Hkv * d) view of the cache that is row block page * blocks_per_page +
+// n % blocks_per_page. The next block's page id is read while the current tile is waiting for a free stage.
+// K and V have one pipeline each, with the same number of stages, so one state indexes both.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/tensor.hpp>
+
+#include "hopper/kv_pipeline.hpp"
+
+namespace fpv2::hopper {
+
+template <class Traits>
+struct KvProducer {
+  template <class Params, class Geometry, class Storage>
+  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem) {
+    using namespace cute;
+    using Pipeline = KvPipeline<Traits::kStages>;
+
+    Tensor mK = params.tma_k.get_tma_tensor(make_shape(params.cache_rows, params.cache_cols));   // (rows, cols)
+    Tensor mVt = params.tma_v.get_tma_tensor(make_shape(params.cache_cols, params.cache_rows));  // (cols, rows)
+    Tensor gK = local_tile(mK, typename Params::TileK{}, make_coord(_, tile.kv_head));    // (N, d, row blocks)
+    Tensor gVt = local_tile(mVt, typename Params::TileVt{}, make_coord(tile.kv_head, _));  // (d, N, row blocks)
+    Tensor sK = make_tensor(make_smem_ptr(smem.k), typename Traits::SmemLayoutK{});      // (N, d, stages)
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename Traits::SmemLayoutVt{});    // (d, N, stages)
+
+    auto tma_k = params.tma_k.get_slice(_0{});
+    auto tma_v = params.tma_v.get_slice(_0{});
+    Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));    // (TMA, row blocks)
+    Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));    // (TMA, stages)
+    Tensor tVgVt = group_modes<0, 3>(tma_v.partition_S(gVt));  // (TMA, row blocks)
+    Tensor tVsVt = group_modes<0, 3>(tma_v.partition_D(sVt));  // (TMA, stages)
+
+    int32_t const* pages = params.page_table + int64_t(tile.request) * params.page_table_stride;
+    const int blocks_per_page = params.blocks_per_page;
+    auto row_block_of = [&](int n_block) {
+      const int page = pages[n_block / blocks_per_page];
+      return page * blocks_per_page + n_block % blocks_per_page;
+    };
+
+    Pipeline pipeline_k(smem.pipeline_k);
+    Pipeline pipeline_v(smem.pipeline_v);
+    auto state = Pipeline::producer_start();
+    int n_block = tile.n_block_max - 1;
+    int row_block = row_block_of(n_block);
+    CUTE_NO_UNROLL
+    for (; n_block >= 0; --n_block) {
+      const int next_row_block = n_block > 0 ? row_block_of(n_block - 1) : 0;
+      uint64_t& full_k = pipeline_k.producer_acquire(state, Traits::kTileBytesK);
+      copy(params.tma_k.with(full_k), tKgK(_, row_block), tKsK(_, state.stage));
+      uint64_t& full_v = pipeline_v.producer_acquire(state, Traits::kTileBytesV);
+      copy(params.tma_v.with(full_v), tVgVt(_, row_block), tVsVt(_, state.stage));
+      state.advance();
+      row_block = next_row_block;
+    }
+  }
+};
+
+}  // namespace fpv2::hopper

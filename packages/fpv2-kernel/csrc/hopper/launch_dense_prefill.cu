@@ -1,0 +1,224 @@
+// Host launcher of the Hopper dense prefill kernel: refuses, with a message, every configuration the
+// compiled instantiations cannot serve, turns the ABI arguments into a DensePrefillPlan and dispatches
+// on the head dim. Host code only: the kernel and CuTe live in the instantiation files.
+#include "hopper/launch_dense_prefill.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "abi/errors.hpp"
+#include "hopper/dense_prefill_instances.hpp"
+#include "hopper/dense_prefill_plan.hpp"
+#include "validate/tensor_checks.hpp"
+
+namespace fpv2::hopper {
+namespace {
+
+using fpv2::detail::describe;
+using fpv2::detail::dtype_name;
+using fpv2::detail::fail;
+using fpv2::detail::format;
+using fpv2::detail::is_absent;
+
+constexpr int kKvTile = 128;         // tokens per TMA tile of K and V
+constexpr int64_t kChunkElems = 8;   // 16 bytes of bf16: cp.async and TMA granularity
+
+long long ll(int64_t v) { return static_cast<long long>(v); }
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+// Makes `device` current for the launch and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  DeviceGuard() = default;
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  ~DeviceGuard() {
+    if (restore_ >= 0) cudaSetDevice(restore_);
+  }
+
+  int32_t select(int32_t device) {
+    int current = 0;
+    cudaError_t err = cudaGetDevice(&current);
+    if (err != cudaSuccess) {
+      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper dense prefill: cudaGetDevice failed: %s",
+                                          cudaGetErrorString(err)));
+    }
+    if (device >= 0 && device != current) {
+      err = cudaSetDevice(device);
+      if (err != cudaSuccess) {
+        return fail(FPV2_ERROR_CUDA, format("fpv2_prefill_args_t.device=%d: cudaSetDevice failed: %s", device,
+                                            cudaGetErrorString(err)));
+      }
+      restore_ = current;
+      current = device;
+    }
+    device_ = current;
+    return FPV2_OK;
+  }
+
+  int device() const { return device_; }
+
+ private:
+  int restore_ = -1;
+  int device_ = 0;
+};
+
+int32_t unsupported(const char* what) { return fail(FPV2_ERROR_UNSUPPORTED, what); }
+
+// The cache must be the stack of its pages: (num_pages, page_size, Hkv, d) with page stride =
+// page_size * token stride and head stride = d, so that it reads as one (num_pages * page_size, Hkv * d)
+// matrix with row stride = token stride (the TMA view).
+int32_t check_cache_view(const fpv2_tensor_t& cache, const char* name, int64_t page_size, int64_t num_kv_heads,
+                         int64_t head_dim) {
+  const int64_t token_stride = cache.strides[1];
+  if (cache.strides[2] != head_dim || cache.strides[0] != page_size * token_stride ||
+      token_stride < num_kv_heads * head_dim) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("%s: the Hopper dense kernel reads the cache as one (num_pages * page_size, Hkv * d) "
+                       "row-major matrix, which needs head stride d=%lld, token stride >= Hkv * d = %lld and page "
+                       "stride = page_size * token stride = %lld; got %s",
+                       name, ll(head_dim), ll(num_kv_heads * head_dim), ll(page_size * token_stride),
+                       describe(cache).c_str()));
+  }
+  if (!aligned(cache.data, 16) || token_stride % kChunkElems != 0) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("%s: TMA needs a 16-byte aligned base and a token stride that is a multiple of 16 bytes "
+                       "(%lld bf16); got data=%p, %s",
+                       name, ll(kChunkElems), cache.data, describe(cache).c_str()));
+  }
+  const int64_t rows = int64_t(cache.shape[0]) * page_size;
+  if (rows > std::numeric_limits<int32_t>::max() || token_stride * 2 >= (int64_t(1) << 40)) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("%s: num_pages * page_size = %lld rows (at most 2^31 - 1) and a token stride of %lld bytes "
+                       "(below 2^40) are the TMA view's limits; got %s",
+                       name, ll(rows), ll(token_stride * 2), describe(cache).c_str()));
+  }
+  return FPV2_OK;
+}
+
+int32_t check_device(int device) {
+  int major = 0, minor = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err != cudaSuccess) {
+    return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper dense prefill: cannot query device %d: %s", device,
+                                        cudaGetErrorString(err)));
+  }
+  if (major != 9 || minor != 0) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2 Hopper dense prefill: device %d has compute capability %d.%d; the kernel is built for "
+                       "sm_90a (H100/H200) only; use the portable (Triton) backend elsewhere",
+                       device, major, minor));
+  }
+  return FPV2_OK;
+}
+
+}  // namespace
+
+int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
+  if (args.batch == nullptr) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT, "fpv2_prefill_args_t.batch is NULL (validate the arguments first)");
+  }
+  const fpv2_paged_batch_t& batch = *args.batch;
+  if (args.index != nullptr) {
+    return unsupported(
+        "fpv2 Hopper dense prefill: fpv2_prefill_args_t.index is set; this build's Hopper kernel computes dense "
+        "attention only (the block-sparse CSR traversal is a later step); pass index=NULL for dense attention");
+  }
+  if (args.correction != nullptr) {
+    return unsupported("fpv2 Hopper dense prefill: fpv2_prefill_args_t.correction is set; the mean correction is "
+                       "not part of this build's Hopper kernel");
+  }
+  const fpv2_tensor_t& q = args.q;
+  if (q.dtype != FPV2_DTYPE_BF16) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2_prefill_args_t.q: the Hopper dense kernel of this build takes bf16 only (f16 and "
+                       "float8_e4m3fn come later); got dtype %s (%s)",
+                       dtype_name(q.dtype).c_str(), describe(q).c_str()));
+  }
+  const int64_t head_dim = q.shape[2];
+  if (!dense_prefill_head_dim_built(static_cast<int>(head_dim))) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2_prefill_args_t.q: head dim d=%lld has no compiled Hopper dense instantiation in this "
+                       "build (built: d=128); got %s",
+                       ll(head_dim), describe(q).c_str()));
+  }
+  if (batch.page_size % kKvTile != 0) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2_paged_batch_t.page_size=%d: the Hopper dense kernel loads 128-token K/V tiles with TMA "
+                       "and needs page_size %% 128 == 0 (the cp.async gather for small pages is a later step)",
+                       batch.page_size));
+  }
+  const int64_t num_q_heads = q.shape[1];
+  const int64_t num_kv_heads = args.k_cache.shape[2];
+  const int64_t group = num_q_heads / num_kv_heads;
+  FPV2_RETURN_IF_ERROR(
+      check_cache_view(args.k_cache, "fpv2_prefill_args_t.k_cache", batch.page_size, num_kv_heads, head_dim));
+  FPV2_RETURN_IF_ERROR(
+      check_cache_view(args.v_cache, "fpv2_prefill_args_t.v_cache", batch.page_size, num_kv_heads, head_dim));
+  if (!aligned(q.data, 16) || q.strides[0] % kChunkElems != 0 || q.strides[1] % kChunkElems != 0) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("fpv2_prefill_args_t.q: the kernel gathers 16-byte chunks of query rows and needs a 16-byte "
+                       "aligned base and token/head strides that are multiples of 8 elements; got data=%p, %s",
+                       q.data, describe(q).c_str()));
+  }
+  const fpv2_tensor_t& out = args.out;
+  if (!aligned(out.data, 4) || out.strides[0] % 2 != 0 || out.strides[1] % 2 != 0) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("fpv2_prefill_args_t.out: the kernel stores pairs of bf16 and needs a 4-byte aligned base and "
+                       "even token/head strides; got data=%p, %s",
+                       out.data, describe(out).c_str()));
+  }
+  if (int64_t(batch.max_seqlen_q) * group >= std::numeric_limits<int32_t>::max() - 128) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2 Hopper dense prefill: max_seqlen_q * (Hq / Hkv) = %lld packed rows exceed the kernel's "
+                       "32-bit row index",
+                       ll(int64_t(batch.max_seqlen_q) * group)));
+  }
+
+  DeviceGuard guard;
+  FPV2_RETURN_IF_ERROR(guard.select(args.device));
+  FPV2_RETURN_IF_ERROR(check_device(guard.device()));
+
+  DensePrefillPlan plan{};
+  plan.q = q.data;
+  plan.q_token_stride = q.strides[0];
+  plan.q_head_stride = q.strides[1];
+  plan.out = const_cast<void*>(out.data);
+  plan.out_token_stride = out.strides[0];
+  plan.out_head_stride = out.strides[1];
+  if (!is_absent(args.lse)) {
+    plan.lse = static_cast<float*>(const_cast<void*>(args.lse.data));
+    plan.lse_token_stride = args.lse.strides[0];
+    plan.lse_head_stride = args.lse.strides[1];
+  }
+  plan.k_cache = args.k_cache.data;
+  plan.v_cache = args.v_cache.data;
+  plan.k_token_stride = args.k_cache.strides[1];
+  plan.v_token_stride = args.v_cache.strides[1];
+  plan.cache_rows = static_cast<int32_t>(int64_t(batch.num_pages) * batch.page_size);
+  plan.cache_cols = static_cast<int32_t>(num_kv_heads * head_dim);
+  plan.cu_seqlens_q = static_cast<const int32_t*>(batch.cu_seqlens_q.data);
+  plan.seqlens_k = static_cast<const int32_t*>(batch.seqlens_k.data);
+  plan.page_table = static_cast<const int32_t*>(batch.page_table.data);
+  plan.page_table_stride = batch.page_table.strides[0];
+  plan.page_size = batch.page_size;
+  plan.num_requests = batch.num_requests;
+  plan.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+  plan.group = static_cast<int32_t>(group);
+  plan.head_dim = static_cast<int32_t>(head_dim);
+  plan.max_seqlen_q = batch.max_seqlen_q;
+  plan.softmax_scale =
+      args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+
+  switch (plan.head_dim) {
+    case 128:
+      return run_dense_prefill<128>(plan, stream);
+    default:
+      return fail(FPV2_ERROR_INTERNAL, format("fpv2 Hopper dense prefill: no dispatch for d=%d", plan.head_dim));
+  }
+}
+
+}  // namespace fpv2::hopper

@@ -1,0 +1,16 @@
+// Named hardware barriers among consumer threads (ids counted after CUTLASS's reserved ones).
+#pragma once
+
+#include <cstdint>
+
+namespace fpv2::hopper {
+
+enum class ConsumerBarrier : uint32_t {
+  kQueryReadyWarpGroup1 = 0,  // + consumer warpgroup index: that warpgroup's Q rows are in shared memory
+  kQueryReadyWarpGroup2 = 1,
+  kValueTailCleared = 2,      // both consumer warpgroups cleared their share of the stale V rows
+};
+
+__device__ __forceinline__ constexpr uint32_t barrier_id(ConsumerBarrier b) { return static_cast<uint32_t>(b); }
+
+}  // namespace fpv2::hopper

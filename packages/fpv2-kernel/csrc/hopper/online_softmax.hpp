@@ -1,0 +1,101 @@
+// Online softmax over KV blocks, in registers, in base 2 with the log2(e)-folded scale.
+//
+// For each of its rows a thread keeps the running maximum m of the raw scores seen so far and a partial
+// running sum l of exp2(s * c - m * c), c = softmax_scale * log2(e), over ITS columns; the 4 threads of a
+// quad share a row, so the maximum is reduced across the quad at every block (all must shift by the same
+// value) while the sum is reduced once at the end. A block whose scores for a row are all masked leaves
+// m = -inf; the shift then uses 0 instead of -inf so that no -inf - -inf = NaN appears, and every
+// probability of that row is exp2(-inf) = 0.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+namespace fpv2::hopper {
+
+// 2^x on the multi-function unit (ex2.approx, flush-to-zero): 2^-inf = +0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];
+  float scale_log2;
+
+  __device__ __forceinline__ explicit OnlineSoftmax(float softmax_scale_log2) : scale_log2(softmax_scale_log2) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.0f;
+    }
+  }
+
+  // Folds one block of scores (rows x cols view, masked scores already -inf) into the running state:
+  // the scores become unnormalised probabilities in place and the output rows are rescaled.
+  template <class ScoresRowsCols, class OutRowsCols>
+  __device__ __forceinline__ void step(ScoresRowsCols& s, OutRowsCols& o) {
+    static_assert(decltype(cute::size<0>(s))::value == kRows && decltype(cute::size<0>(o))::value == kRows,
+                  "scores and output share the thread's rows");
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      float block_max = row_max[i];
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(s); ++j) {
+        block_max = fmaxf(block_max, s(i, j));
+      }
+      block_max = quad_max(block_max);
+      const float shift = block_max == -INFINITY ? 0.0f : block_max * scale_log2;
+      // exp2(-inf) = 0 on the first visible block: the (zero) output and sum are simply replaced.
+      const float correction = fast_exp2(row_max[i] * scale_log2 - shift);
+      row_max[i] = block_max;
+      float block_sum = 0.0f;
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(s); ++j) {
+        const float p = fast_exp2(fmaf(s(i, j), scale_log2, -shift));
+        s(i, j) = p;
+        block_sum += p;
+      }
+      row_sum[i] = fmaf(row_sum[i], correction, block_sum);
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(o); ++j) {
+        o(i, j) *= correction;
+      }
+    }
+  }
+
+  // Normalises the output rows and returns each row's natural-log log-sum-exp of the scaled scores:
+  // lse = m * softmax_scale + ln(l) = (m * c + log2(l)) * ln(2). A row that saw no column (only rows past
+  // the end of the request, which are never stored) gets output 0 and lse -inf.
+  template <class OutRowsCols>
+  __device__ __forceinline__ void finalize(OutRowsCols& o, float (&lse)[kRows]) {
+    constexpr float kLn2 = 0.693147180559945309f;
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float total = quad_sum(row_sum[i]);
+      const bool any = total > 0.0f;
+      const float inverse = any ? 1.0f / total : 0.0f;
+      lse[i] = any ? (row_max[i] * scale_log2 + log2f(total)) * kLn2 : -INFINITY;
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(o); ++j) {
+        o(i, j) *= inverse;
+      }
+    }
+  }
+};
+
+}  // namespace fpv2::hopper

@@ -1,0 +1,39 @@
+// One warpgroup matrix product C (+)= A B over all k-blocks of the operands, issued as a single wgmma
+// batch and waited for before returning.
+//
+// A is either shared-memory descriptors (SS) or bf16 registers (RS); B is always descriptors. The fences
+// keep the compiler from moving register reads/writes of the operands across the asynchronous wgmma.
+// Waiting right away (warpgroup_wait<0>) is the simple schedule of this first step; the intra-warpgroup
+// overlap of QK(n) / PV(n+1) / softmax(n) will keep one batch in flight instead.
+#pragma once
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+
+namespace fpv2::hopper {
+
+template <bool kZeroInit, class TiledMma, class FragA, class FragB, class FragC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, FragA& a, FragB const& b, FragC& c) {
+  using namespace cute;
+  constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kRegisterA) {
+    warpgroup_fence_operand(a);
+  }
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegisterA) {
+    warpgroup_fence_operand(a);
+  }
+}
+
+}  // namespace fpv2::hopper

@@ -1,0 +1,405 @@
+// Standalone test and timing program of the sm_90a dense causal prefill kernel (fpv2::hopper::
+// launch_dense_prefill), built with -DFPV2_BUILD_HOPPER_KERNEL=ON.
+//
+//   fpv2_hopper_dense_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10]
+//                          [--seed N]
+//
+//   correctness  the refusal checks, then a grid of cases (B in {1, 3}, GQA 1/3/4/8, page sizes 128/256,
+//                lengths up to 4K with and without a cached prefix, padded strides, an explicit scale): each
+//                case poisons out/lse with NaN, runs the kernel and compares every output and lse with a
+//                naive fp32 reference kernel; also counts stray writes outside the outputs.
+//   small        one small case (for compute-sanitizer).
+//   timing       B=1, Hq=32, Hkv=8, d=128, page 128, L in --lengths: median of --repeats runs (CUDA events)
+//                and TFLOP/s with the causal convention 4 * B * Hq * L^2 * d / 2; plus a reference check on
+//                16 sampled query tokens.
+//   refusals     only the configurations the kernel must refuse (no GPU needed).
+// --seed N offsets every case's fill seed (fresh inputs per run; the seed is printed for reproduction).
+// Exit status 0 when every case passes, 1 otherwise (2 on a CUDA error).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "abi/errors.hpp"
+#include "error_stats.cuh"
+#include "hopper/launch_dense_prefill.hpp"
+#include "paged_case.cuh"
+#include "reference_attention.cuh"
+#include "validate/struct_checks.hpp"
+
+namespace nt = fpv2::native_test;
+
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr float kMaxAbsErr = 1e-2f;   // bf16 output and bf16 P: about 4e-3 expected at |O| <= 1
+constexpr double kMaxRelRms = 5e-3;   // bf16 rounding of the output alone is ~1.6e-3
+constexpr float kMaxLseErr = 1e-3f;   // fp32 scores from the same bf16 inputs: ~1e-5 expected
+
+uint64_t g_seed_offset = 0;  // --seed
+
+struct Outcome {
+  bool pass = false;
+  nt::ErrorStats stats{};
+  float kernel_ms = 0.0f;
+};
+
+std::vector<int32_t> all_tokens(int64_t total_q) {
+  std::vector<int32_t> t(static_cast<size_t>(total_q));
+  for (int64_t i = 0; i < total_q; ++i) t[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  return t;
+}
+
+// Runs the launcher (after the library's own argument validation), times it with events.
+int32_t run_kernel(const nt::PagedCase& c, cudaStream_t stream, float* ms) {
+  const fpv2_prefill_args_t args = c.args(stream);
+  int32_t status = fpv2::detail::validate_prefill_args(&args);
+  if (status != FPV2_OK) {
+    std::printf("  validate_prefill_args refused the case: %s\n", fpv2::detail::last_error_message());
+    return status;
+  }
+  cudaEvent_t start, stop;
+  FPV2_TEST_CUDA(cudaEventCreate(&start));
+  FPV2_TEST_CUDA(cudaEventCreate(&stop));
+  FPV2_TEST_CUDA(cudaEventRecord(start, stream));
+  status = fpv2::hopper::launch_dense_prefill(args, stream);
+  FPV2_TEST_CUDA(cudaEventRecord(stop, stream));
+  FPV2_TEST_CUDA(cudaEventSynchronize(stop));
+  FPV2_TEST_CUDA(cudaGetLastError());
+  FPV2_TEST_CUDA(cudaEventElapsedTime(ms, start, stop));
+  FPV2_TEST_CUDA(cudaEventDestroy(start));
+  FPV2_TEST_CUDA(cudaEventDestroy(stop));
+  if (status != FPV2_OK) {
+    std::printf("  launch_dense_prefill: status %d: %s\n", status, fpv2::detail::last_error_message());
+  }
+  return status;
+}
+
+// Reference for `tokens`, then the comparison and the stray-write count.
+nt::ErrorStats compare_with_reference(const nt::PagedCase& c, const std::vector<int32_t>& tokens, float scale) {
+  const int Hq = c.num_q_heads();
+  const int64_t rows = int64_t(tokens.size()) * Hq;
+  nt::DeviceBuffer<int32_t> tokens_dev(int64_t(tokens.size()));
+  tokens_dev.upload(tokens);
+  nt::DeviceBuffer<float> out_ref(rows * kHeadDim);
+  nt::DeviceBuffer<float> lse_ref(rows);
+  nt::ReferenceProblem p{};
+  p.q = c.q();
+  p.q_token_stride = c.q_token_stride();
+  p.q_head_stride = kHeadDim;
+  p.k_cache = c.k_cache();
+  p.v_cache = c.v_cache();
+  p.cache_page_stride = int64_t(c.spec().page_size) * c.cache_row_elems();
+  p.cache_token_stride = c.cache_row_elems();
+  p.cache_head_stride = kHeadDim;
+  p.page_table = c.page_table_dev();
+  p.page_table_stride = c.max_pages();
+  p.page_size = c.spec().page_size;
+  p.cu_seqlens_q = c.cu_seqlens_dev();
+  p.seqlens_k = c.seqlens_k_dev();
+  p.num_requests = c.num_requests();
+  p.num_q_heads = Hq;
+  p.group = c.spec().group;
+  p.softmax_scale = scale;
+  // One warp per block: the sampled timing check has few rows, each a long loop; spread them over SMs.
+  nt::reference_attention<kHeadDim><<<unsigned((rows + 31) / 32), 32>>>(p, tokens_dev.get(), int32_t(tokens.size()),
+                                                                        out_ref.get(), lse_ref.get());
+  FPV2_TEST_CUDA(cudaGetLastError());
+
+  nt::DeviceBuffer<nt::ErrorStats> stats_dev(1);
+  FPV2_TEST_CUDA(cudaMemset(stats_dev.get(), 0, sizeof(nt::ErrorStats)));
+  const int64_t elems = rows * kHeadDim;
+  nt::compare_outputs<<<unsigned((elems + 255) / 256), 256>>>(
+      c.out(), c.out_token_stride(), kHeadDim, c.lse(), Hq, out_ref.get(), lse_ref.get(), tokens_dev.get(),
+      int32_t(tokens.size()), Hq, kHeadDim, stats_dev.get());
+  nt::count_stray_bf16<<<nt::fill_blocks(c.out_elems()), 256>>>(c.out(), c.out_elems(), c.total_q(),
+                                                                 c.out_token_stride(), int64_t(Hq) * kHeadDim,
+                                                                 stats_dev.get());
+  nt::count_stray_f32<<<nt::fill_blocks(c.lse_elems()), 256>>>(c.lse(), c.lse_elems(), c.total_q() * Hq,
+                                                                stats_dev.get());
+  FPV2_TEST_CUDA(cudaGetLastError());
+  nt::ErrorStats stats{};
+  FPV2_TEST_CUDA(cudaMemcpy(&stats, stats_dev.get(), sizeof(stats), cudaMemcpyDeviceToHost));
+  return stats;
+}
+
+bool judge(const nt::ErrorStats& s) {
+  const double rel_rms = s.sum_sq_ref > 0 ? std::sqrt(s.sum_sq_err / s.sum_sq_ref) : 0.0;
+  return s.nonfinite_out == 0 && s.nonfinite_lse == 0 && s.stray_writes == 0 && s.max_abs_err <= kMaxAbsErr &&
+         rel_rms <= kMaxRelRms && s.max_lse_err <= kMaxLseErr;
+}
+
+std::string join(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+void print_outcome(const nt::PagedCase& c, const Outcome& o) {
+  const auto& sp = c.spec();
+  std::vector<int> k(c.seqlens_k().begin(), c.seqlens_k().end());
+  const double rel_rms = o.stats.sum_sq_ref > 0 ? std::sqrt(o.stats.sum_sq_err / o.stats.sum_sq_ref) : 0.0;
+  std::printf("[%s] %-28s B=%d Hq/Hkv=%d/%d page=%d q=[%s] k=[%s] | max|err|=%.3e (max|ref|=%.3f) rel_rms=%.3e "
+              "lse_err=%.3e nonfinite=%llu/%llu stray=%llu | %.3f ms\n",
+              o.pass ? "PASS" : "FAIL", sp.name.c_str(), c.num_requests(), c.num_q_heads(), sp.num_kv_heads,
+              sp.page_size, join(sp.q_lens).c_str(), join(k).c_str(), o.stats.max_abs_err, o.stats.max_abs_ref,
+              rel_rms, o.stats.max_lse_err, o.stats.nonfinite_out, o.stats.nonfinite_lse, o.stats.stray_writes,
+              o.kernel_ms);
+}
+
+Outcome run_case(const nt::CaseSpec& spec, cudaStream_t stream) {
+  nt::PagedCase c(spec);
+  Outcome o;
+  if (run_kernel(c, stream, &o.kernel_ms) != FPV2_OK) {
+    std::printf("[FAIL] %s: the launcher refused a case it must serve\n", spec.name.c_str());
+    return o;
+  }
+  const float scale = spec.softmax_scale > 0 ? spec.softmax_scale : 1.0f / std::sqrt(float(kHeadDim));
+  o.stats = compare_with_reference(c, all_tokens(c.total_q()), scale);
+  o.pass = judge(o.stats);
+  print_outcome(c, o);
+  return o;
+}
+
+nt::CaseSpec spec(std::string name, int Hkv, int group, int page, std::vector<int> q_lens, std::vector<int> prefixes,
+                  uint64_t seed) {
+  nt::CaseSpec s;
+  s.name = std::move(name);
+  s.num_kv_heads = Hkv;
+  s.group = group;
+  s.page_size = page;
+  s.q_lens = std::move(q_lens);
+  s.prefixes = std::move(prefixes);
+  s.seed = seed + g_seed_offset * 1000003ull;
+  return s;
+}
+
+std::vector<nt::CaseSpec> correctness_grid() {
+  std::vector<nt::CaseSpec> cases;
+  uint64_t seed = 11;
+  for (int group : {1, 4, 8}) {
+    for (int page : {128, 256}) {
+      const std::string tag = "g" + std::to_string(group) + "_p" + std::to_string(page);
+      if (page == 128) {
+        cases.push_back(spec("B1_4k_noprefix_" + tag, 2, group, page, {4096}, {0}, seed++));
+      } else {
+        cases.push_back(spec("B1_prefix_" + tag, 2, group, page, {1537}, {2500}, seed++));
+      }
+      cases.push_back(spec("B3_varlen_" + tag, 2, group, page, {1, 700, 2000}, {300, 1365, 0}, seed++));
+    }
+  }
+  // A group that does not divide 128: tiles split a position's heads across two tiles.
+  cases.push_back(spec("B3_g3_split_groups", 2, 3, 128, {5, 129, 1000}, {0, 127, 3001}, seed++));
+  // Padded token strides of q and out, explicit softmax scale, three KV heads.
+  nt::CaseSpec padded = spec("B2_padded_scale_hkv3", 3, 4, 256, {333, 1024}, {64, 0}, seed++);
+  padded.token_pad = 64;
+  padded.softmax_scale = 0.05f;
+  cases.push_back(padded);
+  // Lengths that are exact multiples of the tile (no partial tail block) and a one-token request.
+  cases.push_back(spec("B3_exact_tiles", 2, 8, 128, {128, 256, 1}, {0, 128, 255}, seed++));
+  return cases;
+}
+
+// Configurations the launcher must refuse with a message, without launching (no device memory is read).
+int run_refusals() {
+  int failures = 0;
+  struct Variant {
+    const char* what;
+    int expected;
+    void (*edit)(fpv2_prefill_args_t&, fpv2_paged_batch_t&);
+  };
+  const Variant variants[] = {
+      {"page_size 64", FPV2_ERROR_UNSUPPORTED,
+       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t& b) {
+         b.page_size = 64;
+         b.num_pages = 10;
+         for (fpv2_tensor_t* t : {&a.k_cache, &a.v_cache}) {
+           t->shape[0] = 10;
+           t->shape[1] = 64;
+           t->strides[0] = 64 * t->strides[1];
+         }
+       }},
+      {"head dim 64", FPV2_ERROR_UNSUPPORTED,
+       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
+         for (fpv2_tensor_t* t : {&a.q, &a.out}) {
+           t->shape[2] = 64;
+           t->strides[1] = 64;
+         }
+         for (fpv2_tensor_t* t : {&a.k_cache, &a.v_cache}) {
+           t->shape[3] = 64;
+           t->strides[2] = 64;
+         }
+       }},
+      {"fp16 inputs", FPV2_ERROR_UNSUPPORTED,
+       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
+         for (fpv2_tensor_t* t : {&a.q, &a.k_cache, &a.v_cache, &a.out}) t->dtype = FPV2_DTYPE_F16;
+       }},
+      {"misaligned q", FPV2_ERROR_INVALID_ARGUMENT,
+       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
+         a.q.data = static_cast<const char*>(a.q.data) + 2;
+       }},
+      {"head-interleaved cache (head stride != d)", FPV2_ERROR_UNSUPPORTED,
+       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
+         // (num_pages, page_size, Hkv, d) laid out as (num_pages, Hkv, page_size, d).
+         for (fpv2_tensor_t* t : {&a.k_cache, &a.v_cache}) {
+           t->strides[2] = t->shape[1] * t->shape[3];
+           t->strides[1] = t->shape[3];
+         }
+       }},
+  };
+  // Fake, aligned, never-dereferenced pointers: validation and the refusals read metadata only.
+  const fpv2_tensor_t none{};
+  for (const Variant& v : variants) {
+    fpv2_paged_batch_t batch{};
+    batch.struct_size = sizeof(batch);
+    batch.num_requests = 1;
+    static int32_t fake_i32[8];
+    batch.cu_seqlens_q = nt::make_tensor_desc(fake_i32, FPV2_DTYPE_I32, {2}, {1});
+    batch.seqlens_k = nt::make_tensor_desc(fake_i32, FPV2_DTYPE_I32, {1}, {1});
+    batch.page_table = nt::make_tensor_desc(fake_i32, FPV2_DTYPE_I32, {1, 8}, {8, 1});
+    batch.page_size = 128;
+    batch.num_pages = 5;
+    batch.total_q = 300;
+    batch.max_seqlen_q = 300;
+    batch.max_seqlen_k = 300;
+    const void* fake = reinterpret_cast<const void*>(uintptr_t(1) << 20);
+    fpv2_prefill_args_t a{};
+    a.struct_size = sizeof(a);
+    a.flags = FPV2_PREFILL_CAUSAL;
+    a.q = nt::make_tensor_desc(fake, FPV2_DTYPE_BF16, {300, 8, 128}, {1024, 128, 1});
+    a.k_cache = nt::make_tensor_desc(fake, FPV2_DTYPE_BF16, {5, 128, 2, 128}, {128 * 256, 256, 128, 1});
+    a.v_cache = a.k_cache;
+    a.out = nt::make_tensor_desc(fake, FPV2_DTYPE_BF16, {300, 8, 128}, {1024, 128, 1});
+    a.lse = none;
+    a.batch = &batch;
+    a.device = -1;
+    v.edit(a, batch);
+    const int32_t valid = fpv2::detail::validate_prefill_args(&a);
+    if (valid != FPV2_OK) {
+      std::printf("[FAIL] refusal '%s': the ABI validation already refused it (%s); the case is malformed\n", v.what,
+                  fpv2::detail::last_error_message());
+      ++failures;
+      continue;
+    }
+    const int32_t status = fpv2::hopper::launch_dense_prefill(a, nullptr);
+    const std::string message = fpv2::detail::last_error_message();
+    const bool ok = status == v.expected && !message.empty();
+    std::printf("[%s] refusal '%s': status %d (%s) message: %s\n", ok ? "PASS" : "FAIL", v.what, status,
+                fpv2_status_string(status), message.c_str());
+    failures += ok ? 0 : 1;
+  }
+  return failures;
+}
+
+int run_timing(const std::vector<int>& lengths, int repeats, cudaStream_t stream) {
+  int failures = 0;
+  for (int L : lengths) {
+    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, 128, {L}, {0}, 1000 + uint64_t(L));
+    s.q_range = 1.0f;
+    nt::PagedCase c(s);
+    float ms = 0.0f;
+    if (run_kernel(c, stream, &ms) != FPV2_OK) {  // warm-up (and first-launch attribute set-up)
+      ++failures;
+      continue;
+    }
+    std::vector<float> times;
+    for (int r = 0; r < repeats; ++r) {
+      if (run_kernel(c, stream, &ms) != FPV2_OK) break;
+      times.push_back(ms);
+    }
+    if (times.size() != size_t(repeats)) {
+      ++failures;
+      continue;
+    }
+    std::sort(times.begin(), times.end());
+    const float median = repeats % 2 ? times[repeats / 2] : 0.5f * (times[repeats / 2 - 1] + times[repeats / 2]);
+    const double flops = 4.0 * 1 * c.num_q_heads() * double(L) * double(L) * kHeadDim / 2.0;
+    // Spot check: the reference on 16 query tokens spread over the sequence (the last one included).
+    std::vector<int32_t> sample;
+    for (int i = 0; i < 16; ++i) sample.push_back(int32_t(int64_t(L - 1) * i / 15));
+    const nt::ErrorStats st = compare_with_reference(c, sample, 1.0f / std::sqrt(float(kHeadDim)));
+    const double rel_rms = st.sum_sq_ref > 0 ? std::sqrt(st.sum_sq_err / st.sum_sq_ref) : 0.0;
+    const bool sample_ok = st.nonfinite_out == 0 && st.nonfinite_lse == 0 && st.stray_writes == 0 &&
+                           st.max_abs_err <= kMaxAbsErr && rel_rms <= kMaxRelRms && st.max_lse_err <= kMaxLseErr;
+    std::printf("[%s] timing L=%d B=1 Hq=32 Hkv=8 d=128 page=128 bf16 causal: median %.3f ms over %d runs (min %.3f, "
+                "max %.3f) -> %.1f TFLOP/s (4*B*Hq*L^2*d/2); sampled check max|err|=%.3e rel_rms=%.3e lse_err=%.3e\n",
+                sample_ok ? "PASS" : "FAIL", L, median, repeats, times.front(), times.back(), flops / (median * 1e9),
+                st.max_abs_err, rel_rms, st.max_lse_err);
+    std::printf("RESULT {\"impl\": \"fpv2-hopper-dense\", \"B\": 1, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, \"d\": 128, "
+                "\"page_size\": 128, \"dtype\": \"bf16\", \"ms\": %.4f, \"tflops\": %.2f, \"repeats\": %d, "
+                "\"sample_max_abs_err\": %.4e}\n",
+                L, median, flops / (median * 1e9), repeats, st.max_abs_err);
+    failures += sample_ok ? 0 : 1;
+  }
+  return failures;
+}
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> out;
+  std::string item;
+  for (const char* p = s;; ++p) {
+    if (*p == ',' || *p == '\0') {
+      if (!item.empty()) out.push_back(std::atoi(item.c_str()));
+      item.clear();
+      if (*p == '\0') break;
+    } else {
+      item += *p;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = "correctness";
+  std::vector<int> lengths = {32768, 131072};
+  int repeats = 10;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--mode" && i + 1 < argc) {
+      mode = argv[++i];
+    } else if (arg == "--lengths" && i + 1 < argc) {
+      lengths = parse_list(argv[++i]);
+    } else if (arg == "--repeats" && i + 1 < argc) {
+      repeats = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--seed" && i + 1 < argc) {
+      g_seed_offset = std::strtoull(argv[++i], nullptr, 10);
+    } else {
+      std::fprintf(stderr,
+                   "usage: %s [--mode correctness|small|timing|refusals] [--lengths L1,L2] [--repeats N] [--seed N]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  std::printf("fpv2 Hopper dense prefill test, mode %s, seed %llu\n", mode.c_str(),
+              static_cast<unsigned long long>(g_seed_offset));
+  int failures = 0;
+  if (mode == "refusals" || mode == "correctness") failures += run_refusals();
+  if (mode != "refusals") {
+    cudaDeviceProp prop{};
+    FPV2_TEST_CUDA(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+    cudaStream_t stream;
+    FPV2_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    if (mode == "correctness") {
+      for (const nt::CaseSpec& s : correctness_grid()) failures += run_case(s, stream).pass ? 0 : 1;
+    } else if (mode == "small") {
+      failures += run_case(spec("small_B3_g4_p128", 2, 4, 128, {3, 130, 300}, {0, 200, 61}, 5), stream).pass ? 0 : 1;
+    } else if (mode == "timing") {
+      failures += run_timing(lengths, repeats, stream);
+    } else {
+      std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
+      return 2;
+    }
+    FPV2_TEST_CUDA(cudaStreamDestroy(stream));
+  }
+  std::printf("%s: %d failure(s)\n", failures ? "FAIL" : "PASS", failures);
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,215 @@
+// Host-only checks of the dense prefill kernel's register and shared-memory index algebra (no GPU needed).
+//
+// The kernel relies on facts that CuTe layouts imply but that a typo would silently break:
+//   1. the fp32 S accumulator of a consumer thread, regrouped as the RS A operand
+//      (accumulator_as_operand_a), holds exactly the (row, kv) entries the PV wgmma expects in each A
+//      register; otherwise P would be multiplied with the wrong V rows;
+//   2. S and O rows of a thread coincide (the softmax rescales O rows with S-row statistics), each thread's
+//      rows lie in its consumer warpgroup's 64-row half, and the epilogue's pairs (j, j + 1) are adjacent
+//      columns of one row;
+//   3. 16-byte chunks (8 bf16) of Q rows and of V^T columns stay contiguous and 16-byte aligned in the
+//      swizzled shared-memory layouts (cp.async of Q and the V tail clearing write such chunks);
+//   4. TileGeometry's block range against brute force over every row and column: n_block_max is exact, no
+//      block below n_block_masked hides a column from any row, and the tail-block test matches.
+// Prints the layouts it used and exits 1 on the first class of failure it reports.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+#include <cute/tensor.hpp>
+
+#include "hopper/dense_prefill_traits.hpp"
+#include "hopper/fragment_layouts.hpp"
+#include "hopper/tile_geometry.hpp"
+
+using namespace cute;
+using Traits = fpv2::hopper::DensePrefillTraits<128>;
+
+namespace {
+
+int g_failures = 0;
+
+void expect(bool ok, const char* what, long a = 0, long b = 0, long c = 0) {
+  if (!ok) {
+    if (g_failures < 20) std::printf("  FAIL: %s (%ld, %ld, %ld)\n", what, a, b, c);
+    ++g_failures;
+  }
+}
+
+void check_p_operand() {
+  using TileS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  for (int t = 0; t < Traits::kNumConsumerThreads; ++t) {
+    Tensor acc = mma_qk.get_thread_slice(t).partition_C(make_identity_tensor(TileS{}));
+    Tensor as_a = make_tensor(acc.data(), fpv2::hopper::accumulator_as_operand_a(acc.layout()));
+    Tensor want = mma_pv.get_thread_slice(t).partition_A(make_identity_tensor(TileS{}));  // (m, kv) of A
+    if (t == 0) {
+      std::printf("S accumulator layout : ");
+      print(acc.layout());
+      std::printf("\nP as A operand layout: ");
+      print(as_a.layout());
+      std::printf("\nPV A partition layout: ");
+      print(want.layout());
+      std::printf("\n");
+    }
+    static_assert(decltype(size<0>(as_a))::value == decltype(size<0>(want))::value, "A values per k-block");
+    static_assert(decltype(size<1>(as_a))::value == decltype(size<1>(want))::value, "A M tiles");
+    static_assert(decltype(size<2>(as_a))::value == decltype(size<2>(want))::value, "A k-blocks");
+    for (int v = 0; v < size<0>(want); ++v) {
+      for (int m = 0; m < size<1>(want); ++m) {
+        for (int k = 0; k < size<2>(want); ++k) {
+          const auto got = as_a(v, m, k);
+          const auto exp = want(v, m, k);
+          expect(get<0>(got) == get<0>(exp) && get<1>(got) == get<1>(exp),
+                 "P register holds the (row, kv) the PV A operand expects: thread, value, k-block", t, v, k);
+        }
+      }
+    }
+  }
+}
+
+void check_rows() {
+  using TileS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
+  using TileO = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  for (int t = 0; t < Traits::kNumConsumerThreads; ++t) {
+    Tensor s = mma_qk.get_thread_slice(t).partition_C(make_identity_tensor(TileS{}));
+    Tensor o = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(TileO{}));
+    Tensor s_rc = make_tensor(s.data(), fpv2::hopper::accumulator_rows_cols(s.layout()));
+    Tensor o_rc = make_tensor(o.data(), fpv2::hopper::accumulator_rows_cols(o.layout()));
+    const int wg = t / Traits::kThreadsPerWarpGroup;
+    for (int i = 0; i < size<0>(s_rc); ++i) {
+      const int row = get<0>(s_rc(i, 0));
+      expect(row == int(get<0>(o_rc(i, 0))), "S row i equals O row i: thread, i", t, i);
+      expect(row / Traits::kRowsPerConsumer == wg, "row lies in the warpgroup's half: thread, row", t, row);
+      for (int j = 0; j < size<1>(s_rc); ++j) {
+        expect(int(get<0>(s_rc(i, j))) == row, "S row fixed along the thread's columns: thread, i, j", t, i, j);
+      }
+      for (int j = 0; j < size<1>(o_rc); ++j) {
+        expect(int(get<0>(o_rc(i, j))) == row, "O row fixed along the thread's columns: thread, i, j", t, i, j);
+      }
+      for (int j = 0; j + 1 < size<1>(o_rc); j += 2) {
+        const int col = get<1>(o_rc(i, j));
+        expect(col % 2 == 0 && int(get<1>(o_rc(i, j + 1))) == col + 1,
+               "epilogue pair (j, j+1) is an aligned column pair: thread, j, col", t, j, col);
+      }
+      // The lse is written by the thread whose first column is 0: exactly one thread per row.
+    }
+  }
+  // Exactly one thread holds column 0 of each row.
+  int owners[Traits::kBlockM] = {};
+  for (int t = 0; t < Traits::kNumConsumerThreads; ++t) {
+    Tensor o = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(TileO{}));
+    Tensor o_rc = make_tensor(o.data(), fpv2::hopper::accumulator_rows_cols(o.layout()));
+    for (int i = 0; i < size<0>(o_rc); ++i) {
+      if (get<1>(o_rc(i, 0)) == 0) ++owners[int(get<0>(o_rc(i, 0)))];
+    }
+  }
+  for (int r = 0; r < Traits::kBlockM; ++r) {
+    expect(owners[r] == 1, "one lse writer per row: row, writers", r, owners[r]);
+  }
+}
+
+template <class SmemLayout, class Index>
+void check_chunks(const char* name, SmemLayout layout, Index index, int outer, int inner) {
+  // index(a, chunk_start + e) must be offset(a, chunk_start) + e, with a 16-byte aligned chunk start.
+  for (int a = 0; a < outer; ++a) {
+    for (int c = 0; c < inner; c += 8) {
+      const long base = index(layout, a, c);
+      expect(base % 8 == 0, name, a, c, base);
+      for (int e = 1; e < 8; ++e) expect(index(layout, a, c + e) == base + e, name, a, c, e);
+    }
+  }
+}
+
+void check_smem_chunks() {
+  std::printf("SmemLayoutQ : ");
+  print(typename Traits::SmemLayoutQ{});
+  std::printf("\nSmemLayoutVt: ");
+  print(typename Traits::SmemLayoutVt{});
+  std::printf("\n");
+  check_chunks("Q chunk (row, col) contiguous and aligned", typename Traits::SmemLayoutQ{},
+               [](auto const& l, int row, int col) { return long(l(row, col)); }, Traits::kBlockM, Traits::kHeadDim);
+  for (int stage = 0; stage < Traits::kStages; ++stage) {
+    check_chunks("V^T chunk (col..col+7, kv) contiguous and aligned", typename Traits::SmemLayoutVt{},
+                 [stage](auto const& l, int kv, int col) { return long(l(col, kv, stage)); }, Traits::kBlockN,
+                 Traits::kHeadDim);
+  }
+}
+
+void check_geometry() {
+  using Geometry = fpv2::hopper::TileGeometry<Traits::kBlockM, Traits::kBlockN>;
+  constexpr int N = Traits::kBlockN;
+  std::mt19937 rng(1234);
+  const int groups[] = {1, 2, 3, 4, 5, 6, 8, 16};
+  int tiles = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int group = groups[rng() % 8];
+    const int q_len = 1 + int(rng() % 700);
+    const int prefix = (trial % 3 == 0) ? 0 : int(rng() % 900);
+    const int32_t cu[2] = {17, 17 + q_len};
+    const int32_t seqlens_k[1] = {prefix + q_len};
+    const int num_rows = q_len * group;
+    const int num_tiles = (num_rows + Traits::kBlockM - 1) / Traits::kBlockM;
+    for (int m = 0; m <= num_tiles; ++m) {
+      const Geometry g = Geometry::load(0, 0, m, group, cu, seqlens_k);
+      if (m == num_tiles) {
+        expect(!g.valid(), "slot past the last tile is invalid: q_len, group, m", q_len, group, m);
+        continue;
+      }
+      ++tiles;
+      expect(g.valid(), "tile is valid: q_len, group, m", q_len, group, m);
+      int max_limit = -1, min_limit = 1 << 30;
+      for (int r = m * Traits::kBlockM; r < std::min((m + 1) * Traits::kBlockM, num_rows); ++r) {
+        const int limit = prefix + r / group;  // the definition: position r / g sees 0 .. prefix + r / g
+        expect(g.column_limit(r, group) == limit, "column limit of a valid row: r, group, prefix", r, group, prefix);
+        max_limit = std::max(max_limit, limit);
+        min_limit = std::min(min_limit, limit);
+      }
+      expect(g.n_block_max == max_limit / N + 1, "n_block_max exact: q_len, group, m", q_len, group, m);
+      expect(g.n_block_masked * N - 1 <= min_limit, "blocks below n_block_masked fully visible: q_len, group, m",
+             q_len, group, m);
+      expect(g.n_block_masked <= g.n_block_max - 1, "at least the last block is masked: q_len, group, m", q_len,
+             group, m);
+      // Rows past the request (zero-filled) never see a column at or past seqlen_k.
+      expect(g.column_limit(num_rows + 5, group) <= seqlens_k[0] - 1, "padding rows clamp: q_len, group, m", q_len,
+             group, m);
+      const int tail = (seqlens_k[0] - 1) / N;
+      for (int n = 0; n < g.n_block_max; ++n) {
+        const bool partial = (seqlens_k[0] % N) != 0 && n == tail;
+        expect(g.is_partial_tail_block(n) == partial, "tail block test: seqlen_k, n", seqlens_k[0], n);
+        if (partial) {
+          expect(n >= g.n_block_masked, "the tail block is in the masked band: seqlen_k, n", seqlens_k[0], n);
+        }
+      }
+    }
+  }
+  std::printf("geometry: %d tiles checked\n", tiles);
+}
+
+}  // namespace
+
+int main() {
+  std::printf("fpv2 Hopper dense prefill: host layout and geometry checks (d=%d, tile %dx%d)\n", Traits::kHeadDim,
+              Traits::kBlockM, Traits::kBlockN);
+  struct Check {
+    const char* name;
+    void (*run)();
+  } checks[] = {{"P registers as PV A operand", check_p_operand},
+                {"S/O rows and epilogue pairs", check_rows},
+                {"shared-memory 16-byte chunks", check_smem_chunks},
+                {"tile geometry vs brute force", check_geometry}};
+  int failed = 0;
+  for (const Check& c : checks) {
+    const int before = g_failures;
+    c.run();
+    const bool ok = g_failures == before;
+    failed += ok ? 0 : 1;
+    std::printf("%s %s\n", ok ? "PASS" : "FAIL", c.name);
+  }
+  std::printf("layout check: %s (%d failed check(s))\n", failed ? "FAIL" : "PASS", failed);
+  return failed ? 1 : 0;
+}
