@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from fpv2.serving.environment import environment_record, git_commit, gpu_name
 from fpv2.serving.metrics import relative_l2_error
 from fpv2.serving.pipeline import PrefillResult, SparsePrefillPipeline
 from fpv2.serving.report import write_json
-from fpv2.serving.timing import StageTimings, median
+from fpv2.serving.timing import StageTimings, benchmark_device, median, timed_samples
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Fewest timed runs the protocol accepts on a GPU.
@@ -98,28 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
-    """Milliseconds of one call: CUDA events around it on a GPU, ``perf_counter`` on the CPU.
-
-    Args:
-        fn: the call.
-        device: where it runs.
-
-    Returns:
-        ``(ms, result)``.
-    """
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)), result
-    t0 = time.perf_counter()
-    result = fn()
-    return (time.perf_counter() - t0) * 1e3, result
-
-
 def stages_of(result: object) -> StageTimings:
     """Stage times of a pipeline result, summed over chunks for a chunked one."""
     if isinstance(result, ChunkedPrefillResult):
@@ -141,13 +118,13 @@ def measure(
     Returns:
         ``(samples_ms, stage medians, last result)``.
     """
-    samples, stages, result = [], [], None
-    for i in range(args.warmup + args.repeats):
-        result = None  # free the previous outputs before the next call allocates its own
-        ms, result = timed(fn, device)
-        if i >= args.warmup:
-            samples.append(ms)
+    stages: list[StageTimings] = []
+
+    def collect(result: object, timed: bool) -> None:
+        if timed:
             stages.append(stages_of(result))
+
+    samples, result = timed_samples(fn, args.warmup, args.repeats, device, on_call=collect)
     split = {
         "index_ms": median([s.index_ms for s in stages]),
         "correction_ms": median([s.correction_ms for s in stages]),
@@ -232,14 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         The process exit status.
     """
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("error: --device cuda but no CUDA GPU here (use --device cpu for a dry run)", file=sys.stderr)
-            return 2
-        if device.index is None:  # torch 2.11 refuses set_device("cuda") without an index
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
+    try:
+        device = benchmark_device(args.device)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     notes = []
     if device.type != "cuda":
         notes.append("CPU dry run: perf_counter times check the plumbing, they are not benchmark numbers")

@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import datetime as _dt
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,7 +53,7 @@ from fpv2.serving.routing import (
     RoutingPoint,
     RoutingTable,
 )
-from fpv2.serving.timing import median
+from fpv2.serving.timing import benchmark_device, median, timed_samples
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if name != "fp8"}
 #: Fewest timed runs the protocol accepts on a GPU.
@@ -108,38 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.table is None:
         args.table = args.out / "routing-table.json"
     return args
-
-
-def timed_samples(fn: Callable[[], object], warmup: int, repeats: int, device: torch.device) -> tuple[list, object]:
-    """Warm up, then time ``repeats`` calls (CUDA events on a GPU, ``perf_counter`` on the CPU).
-
-    Args:
-        fn: the call.
-        warmup: untimed calls first.
-        repeats: timed calls.
-        device: where it runs.
-
-    Returns:
-        ``(samples_ms, last result)``.
-    """
-    samples: list[float] = []
-    result: object = None
-    for i in range(warmup + repeats):
-        result = None  # free the previous output before the next call allocates its own
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = fn()
-            end.record()
-            end.synchronize()
-            ms = float(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            result = fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            samples.append(ms)
-    return samples, result
 
 
 def measure_point(
@@ -352,14 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         The process exit status.
     """
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("error: --device cuda but no CUDA GPU here (use --device cpu for a dry run)", file=sys.stderr)
-            return 2
-        if device.index is None:  # torch 2.11 refuses set_device("cuda") without an index
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
+    try:
+        device = benchmark_device(args.device)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     notes = []
     if device.type != "cuda":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from .heatmap import SelectionPanel, write_selection_heatmap
 from .metrics import dense_causal_flops, index_flops, relative_l2_error, select_rows, tflops
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline
 from .report import render_table, summary_record, write_json
-from .timing import StageTimings, median
+from .timing import StageTimings, median, timed_samples
 
 #: ``--dtype`` names and the element type of the timed inputs.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -139,35 +138,18 @@ def _prepare_inputs(cfg: BenchConfig, device: torch.device) -> _Inputs:
     return _Inputs(wl, q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd})
 
 
-def _timed_call(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
-    """Wall time of one call: CUDA events on a GPU, ``perf_counter`` on the (synchronous) CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)), result
-    t0 = time.perf_counter()
-    result = fn()
-    return (time.perf_counter() - t0) * 1e3, result
-
-
 def _measure(
     fn: Callable[[], object], cfg: BenchConfig, device: torch.device, tick: Callable[[], None]
 ) -> tuple[list[float], list[StageTimings], object]:
     """Warm up, then time ``cfg.repeats`` calls; stage times are collected for pipeline results."""
-    samples: list[float] = []
     stages: list[StageTimings] = []
-    result: object = None
-    for i in range(cfg.warmup + cfg.repeats):
-        result = None  # drop the previous output before the next call allocates its own
-        ms, result = _timed_call(fn, device)
-        if i >= cfg.warmup:
-            samples.append(ms)
-            if isinstance(result, PrefillResult):
-                stages.append(result.timings)
+
+    def after_call(result: object, timed: bool) -> None:
+        if timed and isinstance(result, PrefillResult):
+            stages.append(result.timings)
         tick()
+
+    samples, result = timed_samples(fn, cfg.warmup, cfg.repeats, device, on_call=after_call)
     return samples, stages, result
 
 

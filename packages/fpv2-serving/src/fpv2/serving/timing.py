@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,3 +120,80 @@ def median(values: list[float]) -> float:
     s = sorted(values)
     mid = len(s) // 2
     return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def timed_call(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Milliseconds of one call: CUDA events around it on a GPU, ``perf_counter`` on the (synchronous) CPU.
+
+    Args:
+        fn: the call.
+        device: where it runs.
+
+    Returns:
+        ``(ms, result)``.
+    """
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)), result
+    t0 = time.perf_counter()
+    result = fn()
+    return (time.perf_counter() - t0) * 1e3, result
+
+
+def timed_samples(
+    fn: Callable[[], object],
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+    *,
+    on_call: Callable[[object, bool], None] | None = None,
+) -> tuple[list[float], object]:
+    """Warm up, then time ``repeats`` calls with :func:`timed_call`.
+
+    Args:
+        fn: the call.
+        warmup: untimed calls first.
+        repeats: timed calls.
+        device: where it runs.
+        on_call: called after every call, outside the timed region, with its result and
+            whether it was timed (warm-up calls are not): progress bars, stage-time collection.
+
+    Returns:
+        ``(samples_ms, last result)``.
+    """
+    samples: list[float] = []
+    result: object = None
+    for i in range(warmup + repeats):
+        result = None  # free the previous output before the next call allocates its own
+        ms, result = timed_call(fn, device)
+        if i >= warmup:
+            samples.append(ms)
+        if on_call is not None:
+            on_call(result, i >= warmup)
+    return samples, result
+
+
+def benchmark_device(name: str) -> torch.device:
+    """The torch device a benchmark script runs on, with an explicit index for CUDA.
+
+    Args:
+        name: a torch device string (``cpu``, ``cuda``, ``cuda:1``).
+
+    Returns:
+        The device (made current for CUDA; torch 2.11 refuses ``set_device("cuda")`` without an index).
+
+    Raises:
+        RuntimeError: CUDA asked for but not available.
+    """
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {name} but no CUDA GPU here (use --device cpu for a dry run)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device

@@ -29,6 +29,21 @@ class MaxThresholdStrategy:
 
     name = "max_threshold"
 
+    def __init__(self) -> None:
+        # One index workspace per (device, stream): calls on one stream are ordered, so they can
+        # share scratch; buffers grow to the largest call and are not reallocated per call.
+        self._workspaces: dict[tuple[torch.device, int], object] = {}
+
+    def _workspace_for(self, device: torch.device):
+        """The index workspace of ``device``'s current stream (created on first use)."""
+        from ..triton import IndexWorkspace
+
+        key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+        workspace = self._workspaces.get(key)
+        if workspace is None:
+            workspace = self._workspaces[key] = IndexWorkspace(device)
+        return workspace
+
     def select(
         self,
         q: torch.Tensor,
@@ -56,7 +71,15 @@ class MaxThresholdStrategy:
         if use_triton_index(q):
             from ..triton import select_blocks_triton  # imports triton: only on the fast path
 
-            return select_blocks_triton(q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale)
+            return select_blocks_triton(
+                q,
+                batch,
+                statistics,
+                config=config,
+                q_descale=q_descale,
+                k_descale=k_descale,
+                workspace=self._workspace_for(q.device),
+            )
         return select_blocks(q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale)
 
 
