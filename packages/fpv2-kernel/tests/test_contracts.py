@@ -302,3 +302,19 @@ def test_assume_host_view_spares_the_read_and_checks_counts():
     assert seeded is batch and batch.max_seqlen_k == 300 and batch.total_q == 12
     with pytest.raises(ValueError, match="host view must hold 4 query offsets and 3 KV lengths; got 3 and 3"):
         make_batch().assume_host_view(HostBatchView(cu_seqlens_q=[0, 5, 12], seqlens_k=[300, 10, 7]))
+
+
+def test_compatibility_value_checks_run_once_per_batch(monkeypatch):
+    batch = PagedPrefillBatch.contiguous([200], [500])
+    index = full_index(batch, group=4, hkv=2)
+    calls = []
+    original = BlockIndex._causal_violations
+    monkeypatch.setattr(BlockIndex, "_causal_violations", lambda self, b: calls.append(b) or original(self, b))
+    index.check_compatible(batch, 4, tile_size=128)
+    index.check_compatible(batch, 4, tile_size=128)  # every layer of a forward: no second device read
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="differs from the kernel's query tile 64"):
+        index.check_compatible(batch, 4, tile_size=64)  # metadata checks still run every time
+    other = PagedPrefillBatch.contiguous([200], [500])
+    index.check_compatible(other, 4)
+    assert len(calls) == 2

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import InitVar, dataclass
+from functools import cached_property
 
 import torch
 
@@ -64,6 +66,12 @@ class BlockIndex:
             )
         if check_values:
             self.validate_values()
+
+    @cached_property
+    def _checked_batches(self) -> weakref.WeakKeyDictionary:
+        """Batches this index was found compatible with (and for which group): later kernel calls
+        with the same index and batch, e.g. every layer of one forward, skip the device reads."""
+        return weakref.WeakKeyDictionary()
 
     def validate_values(self) -> None:
         """Check the CSR structure (host sync): offsets, sizes, ascending ids."""
@@ -145,6 +153,8 @@ class BlockIndex:
             )
         if group != self.group:
             raise ValueError(f"block index was packed for GQA group {self.group}, the inputs have group {group}")
+        if self._checked_batches.get(batch) == group:
+            return  # the value checks below read the device: once per (index, batch), not once per layer
         if self.num_requests != batch.num_requests:
             raise ValueError(f"block index covers {self.num_requests} requests, the batch has {batch.num_requests}")
         expected = expected_tile_offsets(batch, group, self.tile_size)
@@ -161,6 +171,7 @@ class BlockIndex:
                 f"segment (request {b}, kv_head {h}, tile {t}) keeps block {int(last_kept[s])}, beyond the "
                 f"causally visible blocks 0..{int(last_visible[s])}"
             )
+        self._checked_batches[batch] = group
 
     def _causal_violations(self, batch: PagedPrefillBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per segment: (last kept block > last visible block, last kept block, last visible block).

@@ -9,15 +9,18 @@ host value: it comes from the index's shape, or in dense mode from the batch's
 cached host view. Programs run in segment order; ordering them heaviest first
 (by kept-block count) is left to a later scheduler.
 
-Host syncs per call: the input validation reads the batch's small index arrays
-once (cached on the batch), ``BlockIndex.check_compatible`` reads the index,
-and a correction plan's ``block_offsets`` are checked on the host.
+Host syncs: the input validation reads the batch's small index arrays once
+(cached on the batch); ``BlockIndex.check_compatible`` reads the index and a
+correction plan's ``block_offsets`` are checked on the host, each once per
+(index or plan, batch): later calls with the same objects, such as the other
+layers of one forward, make no host sync.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -141,7 +144,11 @@ def sparse_attention_triton(
                 "plan was given without an index: dense mode keeps every block, so there is nothing to correct; "
                 "pass the block index the plan was built for"
             )
-        _check_plan(plan, index, batch, shapes, q.device)
+        checked = _CHECKED_PLANS.setdefault(plan, weakref.WeakKeyDictionary())
+        seen = (id(index), shapes)
+        if checked.get(batch) != seen:  # reads block_offsets on the host: once per (plan, index, batch)
+            _check_plan(plan, index, batch, shapes, q.device)
+            checked[batch] = seen
     scale = _resolve_scale(softmax_scale, shapes.head_dim)
     config = launch_config(shapes.head_dim, block_size)
 
@@ -315,6 +322,10 @@ def _check_index(index: BlockIndex, batch: PagedPrefillBatch, shapes: PrefillSha
         raise ValueError(f"block index has num_kv_heads={index.num_kv_heads}, k_cache has Hkv={shapes.num_kv_heads}")
     # The kernel's query tile is BLOCK_M packed rows: an index built for other tiles is refused.
     index.check_compatible(batch, shapes.group, tile_size=BLOCK_M)
+
+
+#: Plans already checked against a (batch, index) (the check reads the device; later layers skip it).
+_CHECKED_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _check_plan(
