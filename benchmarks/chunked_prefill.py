@@ -48,6 +48,7 @@ from fpv2.serving.environment import environment_record, git_commit, gpu_name
 from fpv2.serving.metrics import relative_l2_error
 from fpv2.serving.pipeline import PrefillResult, SparsePrefillPipeline
 from fpv2.serving.report import write_json
+from fpv2.serving.soak import SyncCounter
 from fpv2.serving.timing import StageTimings, benchmark_device, median, timed_samples
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -129,8 +130,30 @@ def measure(
         "index_ms": median([s.index_ms for s in stages]),
         "correction_ms": median([s.correction_ms for s in stages]),
         "attention_ms": median([s.attention_ms for s in stages]),
+        "host_syncs": count_syncs(fn, device),
     }
     return samples, split, result
+
+
+def count_syncs(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Host synchronisations of one more (warm) call, counted with PyTorch's sync debug mode (CUDA only).
+
+    Args:
+        fn: the call.
+        device: where it runs.
+
+    Returns:
+        The count, or None on the CPU.
+    """
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    with SyncCounter(active=True) as counter:
+        counter.reset()
+        result = fn()
+        count, _ = counter.take()
+    del result
+    return count
 
 
 def summarise(result: object, batch: PagedPrefillBatch, config: SelectionConfig) -> dict[str, object]:
@@ -172,9 +195,9 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
     """
     head = (
         "| chunk | impl | ms | index ms | corr ms | attn ms | density | pooled blocks | dense tiles | rel err "
-        "| speedup vs dense (same chunking) | speedup vs unchunked dense |"
+        "| speedup vs dense (same chunking) | speedup vs unchunked dense | host syncs |"
     )
-    lines = [head, "|" + "|".join(["---"] * 12) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 13) + "|"]
     for r in rows:
         lines.append(
             "| "
@@ -192,6 +215,7 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
                     fmt(r["rel_err"], ".4f"),
                     fmt(r["speedup_vs_dense"], ".2f"),
                     fmt(r["speedup_vs_unchunked_dense"], ".2f"),
+                    fmt(r.get("host_syncs"), "d"),
                 ]
             )
             + " |"

@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-syncs", action="store_true", help="do not count host syncs")
     p.add_argument("--check-every", type=int, help="finite-output check every N calls")
     p.add_argument("--max-syncs-per-call", type=int, help="fail above this many syncs per steady call (-1: no limit)")
+    p.add_argument("--time-limit", type=float, help="stop drawing calls after this many seconds (as many calls as fit)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -122,6 +123,8 @@ def config_from_args(args: argparse.Namespace, device: torch.device) -> SoakConf
         changes["seed_host_view"] = False
     if args.no_syncs:
         changes["count_syncs"] = False
+    if args.time_limit is not None:
+        changes["time_limit_s"] = args.time_limit
     return dataclasses.replace(base, **changes)
 
 
@@ -138,6 +141,11 @@ def verdict_lines(result: SoakResult) -> list[str]:
     mib = 1 / 2**20
     head = f"soak: {s.get('calls')} calls on {result.device} ({result.backend})"
     lines = [f"{head}, steady from call {s.get('steady_from_call')}"]
+    if result.stopped_early:
+        lines.append(
+            f"  stopped at the time limit ({result.config.time_limit_s:g} s): {s.get('calls')} of "
+            f"{result.config.calls} planned calls"
+        )
     for name, m in s.get("memory", {}).items():  # type: ignore[union-attr]
         if isinstance(m, dict):
             verdict = "flat" if m["flat"] else "GROWS"

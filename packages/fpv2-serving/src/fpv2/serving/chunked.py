@@ -39,8 +39,9 @@ from .backends import AUTO, AttentionBackend, output_dtype
 from .chunked_pooling import batch_from_host, pool_chunk
 from .chunked_selection import select_chunk_blocks
 from .chunked_state import ChunkedPrefillState
-from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline
+from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline, is_builtin_strategy
 from .timing import StageClock, StageTimings
+from .transfer import device_ints
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,13 +176,15 @@ class ChunkedPrefillPipeline:
         strategy: a selection strategy name (see :func:`fpv2.index.available_strategies`).
         correction: add the mean correction for pruned blocks.
         backend: ``"auto"``, a backend name, or a backend object.
+        check_index: re-check every chunk's index against its batch on the device (two host
+            syncs per chunk), as :class:`~.pipeline.SparsePrefillPipeline` does with it.
         chunk_aware: True (default): carry pooled statistics across chunks and decide the dense
             fallbacks on the whole prompt. False: run the plain
             :class:`~.pipeline.SparsePrefillPipeline` on every chunk as if it were a whole
             prefill (the naive baseline).
 
     Raises:
-        TypeError: ``config`` is not a SelectionConfig, or ``correction``/``chunk_aware`` not a bool.
+        TypeError: ``config`` is not a SelectionConfig, or ``correction``/``check_index``/``chunk_aware`` not a bool.
         ValueError: unknown strategy or backend name.
         RuntimeError: the named backend is not available here.
     """
@@ -193,12 +196,15 @@ class ChunkedPrefillPipeline:
         strategy: str = "max_threshold",
         correction: bool = True,
         backend: str | AttentionBackend = AUTO,
+        check_index: bool = False,
         chunk_aware: bool = True,
     ) -> None:
         if not isinstance(chunk_aware, bool):
             raise TypeError(f"chunk_aware must be a bool; got {type(chunk_aware).__name__}")
         # The plain pipeline validates the options and is the naive per-chunk path.
-        self._plain = SparsePrefillPipeline(config, strategy=strategy, correction=correction, backend=backend)
+        self._plain = SparsePrefillPipeline(
+            config, strategy=strategy, correction=correction, backend=backend, check_index=check_index
+        )
         self.config: SelectionConfig = self._plain.config
         self.strategy: str = self._plain.strategy
         self.correction: bool = self._plain.correction
@@ -301,6 +307,9 @@ class ChunkedPrefillPipeline:
             q_descale=q_descale,
             k_descale=k_descale,
         )
+        if not self._plain.check_index and is_builtin_strategy(self.strategy):
+            # Built here from this chunk batch (a built-in strategy, or the dense rule): no device re-check.
+            index.assume_compatible(batch, shapes.group)
         clock.mark("index")
         plan = None
         if self.correction:
@@ -378,7 +387,7 @@ class ChunkedPrefillPipeline:
             kv_lens = [prefixes[b] + begin + n for b, n in zip(active, lens)]
             rows = tuple((cu[b] + begin, cu[b] + begin + n) for b, n in zip(active, lens))
             whole = len(active) == batch.num_requests
-            picked = torch.tensor(active, dtype=torch.long, device=batch.device) if not whole else None
+            picked = device_ints(active, batch.device, dtype=torch.long) if not whole else None
             page_table = batch.page_table if whole else batch.page_table[picked].contiguous()
             chunk_batch = batch_from_host(
                 lens, kv_lens, page_table, page_size=batch.page_size, num_pages=batch.num_pages

@@ -28,6 +28,7 @@ from fpv2.kernel.contracts import BlockStatistics, HostBatchView, PagedPrefillBa
 from fpv2.kernel.reference.pooling import pool_blocks, pool_request
 
 from .chunked_state import ChunkedPrefillState
+from .transfer import device_ints
 
 
 class ChunkStatistics(NamedTuple):
@@ -54,7 +55,8 @@ def batch_from_host(
 
     The lengths come from the host, so reading them back from the device (the
     batch's ``host`` view) would be a needless synchronisation; the batch's
-    cached ``host`` view is seeded with them instead. Values are not re-checked.
+    cached ``host`` view is seeded with them instead, and they reach the device
+    in one non-blocking copy (:func:`~.transfer.device_ints`). Values are not re-checked.
 
     Args:
         seqlens_q: new queries per request.
@@ -69,17 +71,20 @@ def batch_from_host(
     cu = [0]
     for n in seqlens_q:
         cu.append(cu[-1] + int(n))
-    device = page_table.device
+    kv = [int(k) for k in seqlens_k]
+    # One non-blocking copy of both arrays (a blocking torch.tensor(..., device=...) per array
+    # would stall the host until the device has caught up, once per chunk).
+    packed = device_ints([*cu, *kv], page_table.device)
     batch = PagedPrefillBatch(
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        seqlens_k=torch.tensor([int(k) for k in seqlens_k], dtype=torch.int32, device=device),
+        cu_seqlens_q=packed[: len(cu)],
+        seqlens_k=packed[len(cu) :],
         page_table=page_table,
         page_size=page_size,
         num_pages=num_pages,
         check_values=False,
     )
     # The caller's host lists spare the batch a device read of its lengths.
-    return batch.assume_host_view(HostBatchView(cu_seqlens_q=cu, seqlens_k=[int(k) for k in seqlens_k]))
+    return batch.assume_host_view(HostBatchView(cu_seqlens_q=cu, seqlens_k=kv))
 
 
 def _pool_touched_paged(
@@ -99,11 +104,18 @@ def _pool_touched_paged(
     first_pages = [j * block_size // page_size for j in first_blocks]
     lengths = [kv - j * block_size for kv, j in zip(host.seqlens_k, first_blocks)]
     width = max(max((num_key_blocks(n, page_size) for n in lengths), default=1), 1)
-    device = batch.device
-    cols = torch.tensor(first_pages, dtype=torch.int64, device=device)[:, None] + torch.arange(width, device=device)
-    # Columns past a request's last page are ignored by the pooling: clamp them into the table.
-    cols = cols.clamp(max=max(batch.page_table.shape[1] - 1, 0))
-    table = torch.gather(batch.page_table, 1, cols).contiguous()
+    if len(set(first_pages)) == 1:
+        # Every request starts at the same page (one request, or requests chunked in lockstep):
+        # the advanced table is a view, no gather.
+        table = batch.page_table[:, first_pages[0] :]
+        if table.shape[1] == 0:
+            table = batch.page_table[:, :1]  # nothing left to pool: any one column (never read)
+    else:
+        device = batch.device
+        cols = device_ints(first_pages, device, dtype=torch.int64)[:, None] + torch.arange(width, device=device)
+        # Columns past a request's last page are ignored by the pooling: clamp them into the table.
+        cols = cols.clamp(max=max(batch.page_table.shape[1] - 1, 0))
+        table = torch.gather(batch.page_table, 1, cols).contiguous()
     touched = batch_from_host([0] * len(lengths), lengths, table, page_size=page_size, num_pages=batch.num_pages)
     if use_triton:
         from fpv2.index.triton import pool_blocks_triton  # imports triton: only on the fast path
@@ -253,6 +265,6 @@ def batch_statistics(
         pooled_k=pooled_k,
         pooled_v=pooled_v,
         block_lengths=lengths,
-        block_offsets=torch.tensor(offsets, dtype=torch.int32, device=batch.device),
+        block_offsets=device_ints(offsets, batch.device),
         block_size=block_size,
     )

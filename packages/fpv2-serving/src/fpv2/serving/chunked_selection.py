@@ -6,9 +6,14 @@ only: the last ``dense_tail_tiles`` tiles of *every chunk* keep every visible
 block, and a chunk whose KV is below ``min_sparse_kv_len`` keeps everything,
 which raises the density of chunked runs. Here the fallbacks are decided on
 the whole prompt (:meth:`~.chunked_state.ChunkedPrefillState.dense_tile_mask`),
-by composition with any selection strategy: the strategy runs with both
-fallbacks switched off, then the tiles that are dense by the whole-prompt rule
-are overwritten with all their visible blocks (:func:`densify_segments`).
+by composition with any selection strategy: the strategy runs with the chunk's
+``min_sparse_kv_len`` switched off and, when one ``dense_tail_tiles`` value
+gives every request of the chunk its whole-prompt dense tail (the usual case,
+:func:`uniform_dense_tail`), with that value, so the selection kernel itself
+keeps those tiles dense; otherwise with both fallbacks off, and the tiles that
+are dense by the whole-prompt rule are overwritten with all their visible
+blocks afterwards (:func:`densify_segments`). No step reads the device on the
+host.
 
 Exactness. The max-threshold selection of a tile depends on its packed rows,
 their absolute positions, the pooled keys of the blocks fully visible to its
@@ -48,6 +53,7 @@ from fpv2.kernel.contracts import (
 )
 
 from .chunked_state import ChunkedPrefillState
+from .transfer import device_ints
 
 #: The strategy name that keeps every visible block.
 DENSE_STRATEGY = "dense"
@@ -104,6 +110,89 @@ def _segment_geometry(
     return torch.cat(dense_parts), torch.cat(visible_parts)
 
 
+def dense_suffix_length(mask: torch.Tensor) -> int | None:
+    """Length of the dense suffix a ``(T,) bool`` dense-tile mask describes, or None if it is no suffix.
+
+    Args:
+        mask: dense tiles of one request.
+
+    Returns:
+        ``n`` when exactly the last ``n`` tiles are dense, else None.
+    """
+    n = int(mask.sum())
+    tiles = mask.numel()
+    suffix = torch.arange(tiles) >= tiles - n
+    return n if torch.equal(mask.to(torch.bool), suffix) else None
+
+
+def uniform_dense_tail(dense_tiles: Sequence[torch.Tensor]) -> int | None:
+    """One ``dense_tail_tiles`` value whose per-request rule reproduces ``dense_tiles``, if there is one.
+
+    The index's own fallback keeps the last ``dense_tail_tiles`` tiles of every request
+    dense, decided in the selection kernel. The whole-prompt rule gives each request of a
+    chunk a dense suffix (none in a middle chunk, the prompt's tail in its last chunk, all
+    tiles for a short prompt); when one value ``n`` gives every request
+    ``min(n, tiles_b)`` dense tiles, the strategy applies the rule itself and no second
+    pass over the index is needed.
+
+    Args:
+        dense_tiles: one ``(T_b,) bool`` mask per request.
+
+    Returns:
+        ``n``, or None when the requests need different tails (or a mask is no suffix).
+    """
+    suffixes = []
+    for mask in dense_tiles:
+        n = dense_suffix_length(mask)
+        if n is None:
+            return None
+        suffixes.append((n, mask.numel()))
+    partial = {n for n, tiles in suffixes if n < tiles}
+    if len(partial) > 1:
+        return None
+    tail = partial.pop() if partial else max((tiles for _, tiles in suffixes), default=0)
+    return tail if all(min(tail, tiles) == n for n, tiles in suffixes) else None
+
+
+def dense_block_index(
+    batch: PagedPrefillBatch,
+    *,
+    num_kv_heads: int,
+    group: int,
+    tile_size: int,
+    block_size: int,
+) -> BlockIndex:
+    """The block index keeping every visible block of every tile, built without a host sync.
+
+    The geometry is known on the host (``batch.host``), so the offsets and the size are
+    computed there and copied once without blocking; the block ids are ranges expanded on
+    the device.
+
+    Args:
+        batch: the chunk batch.
+        num_kv_heads: ``Hkv``.
+        group: GQA group size ``g``.
+        tile_size: packed rows per tile.
+        block_size: tokens per key block.
+
+    Returns:
+        The dense :class:`BlockIndex` (exact size, no spare capacity).
+    """
+    masks = [torch.ones(num_query_tiles(n, group, tile_size), dtype=torch.bool) for n in batch.host.q_lens]
+    _, visible = _segment_geometry(batch, masks, num_kv_heads, group, tile_size, block_size)
+    offsets_host = torch.zeros(visible.numel() + 1, dtype=torch.int64)
+    torch.cumsum(visible, dim=0, out=offsets_host[1:])
+    nnz = int(offsets_host[-1])
+    device = batch.device
+    offsets = device_ints(offsets_host, device)
+    counts = (offsets[1:] - offsets[:-1]).long()
+    segments = torch.arange(visible.numel(), device=device)
+    segment = torch.repeat_interleave(segments, counts, output_size=nnz)
+    blocks = (torch.arange(nnz, device=device) - offsets[:-1].long()[segment]).to(torch.int32)
+    tile_offsets = device_ints(expected_tile_offsets(batch, group, tile_size), device)
+    return BlockIndex(offsets, blocks, tile_offsets, num_kv_heads, group, tile_size, block_size, check_values=False)
+
+
 def densify_segments(
     index: BlockIndex | None,
     batch: PagedPrefillBatch,
@@ -114,7 +203,11 @@ def densify_segments(
     tile_size: int,
     block_size: int,
 ) -> BlockIndex:
-    """Replace the kept lists of the dense tiles by every visible block (vectorised, one host read of nnz).
+    """Replace the kept lists of the dense tiles by every visible block, without a host sync.
+
+    The new ``blocks`` array is sized for every visible (tile, block) pair (known on the
+    host): its first ``offsets[-1]`` entries are the index, the rest hold -1 (spare
+    capacity, which the block index contract allows), so the new size is never read back.
 
     Args:
         index: the selection of the chunk batch, or None when every tile is dense.
@@ -134,40 +227,40 @@ def densify_segments(
     """
     if len(dense_tiles) != batch.num_requests:
         raise ValueError(f"dense_tiles must hold one mask per request ({batch.num_requests}); got {len(dense_tiles)}")
-    device = batch.device
+    geometry = {"num_kv_heads": num_kv_heads, "group": group, "tile_size": tile_size, "block_size": block_size}
     dense_host, visible_host = _segment_geometry(batch, dense_tiles, num_kv_heads, group, tile_size, block_size)
     num_segments = dense_host.numel()
-    if index is None and not bool(dense_host.all()):
-        raise ValueError("densify_segments needs an index unless every tile is dense")
-    if index is not None and index.num_segments != num_segments:
-        raise ValueError(f"index has {index.num_segments} segments, the batch has {num_segments}")
-    dense = dense_host.to(device)
-    visible = visible_host.to(device)
     if index is None:
-        old_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
-        old_blocks = torch.zeros(0, dtype=torch.int32, device=device)
-    else:
-        old_offsets, old_blocks = index.offsets.long(), index.blocks
+        if not bool(dense_host.all()):
+            raise ValueError("densify_segments needs an index unless every tile is dense")
+        return dense_block_index(batch, **geometry)
+    if index.num_segments != num_segments:
+        raise ValueError(f"index has {index.num_segments} segments, the batch has {num_segments}")
+    device = batch.device
+    dense = device_ints(dense_host, device) != 0
+    visible = device_ints(visible_host, device, dtype=torch.int64)
+    old_offsets, old_blocks = index.offsets.long(), index.blocks
     counts = torch.where(dense, visible, old_offsets[1:] - old_offsets[:-1])
     offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, dim=0, out=offsets[1:])
-    nnz = int(offsets[-1])  # the one host read: the size of the new blocks array
-    segment = torch.repeat_interleave(torch.arange(num_segments, device=device), counts, output_size=nnz)
-    local = torch.arange(nnz, device=device) - offsets[:-1][segment]
+    # Every segment keeps at most its visible blocks: their sum bounds the new size on the host.
+    capacity = int(visible_host.sum())
+    position = torch.arange(capacity, device=device)
+    # Segment of each position (positions past the new size land on the last segment, masked below).
+    segment = torch.searchsorted(offsets[1:], position, right=True).clamp(max=max(num_segments - 1, 0))
+    local = position - offsets[:-1][segment]
     if old_blocks.numel():
         # Positions inside a dense segment may point past the old list: clamp, they are replaced anyway.
-        source = (old_offsets[:-1][segment] + local).clamp(max=old_blocks.numel() - 1)
+        source = (old_offsets[:-1][segment] + local).clamp(min=0, max=old_blocks.numel() - 1)
         kept = old_blocks[source].long()
     else:
         kept = torch.zeros_like(local)
-    blocks = torch.where(dense[segment], local, kept).to(torch.int32).contiguous()
-    tile_offsets = (
-        index.tile_offsets if index is not None else expected_tile_offsets(batch, group, tile_size).to(device)
-    )
+    blocks = torch.where(dense[segment], local, kept)
+    blocks = torch.where(position < offsets[-1], blocks, -1).to(torch.int32)
     return BlockIndex(
         offsets.to(torch.int32),
         blocks,
-        tile_offsets,
+        index.tile_offsets,
         num_kv_heads,
         group,
         tile_size,
@@ -190,6 +283,13 @@ def select_chunk_blocks(
 ) -> tuple[BlockIndex, int]:
     """Block index of a chunk batch with the dense fallbacks decided on each request's whole prompt.
 
+    Three ways, none with a host sync of its own: every tile dense (a short prompt, or the
+    ``dense`` strategy) builds the dense index from host geometry; a dense tail the
+    index's own ``dense_tail_tiles`` rule can express for every request (the usual case:
+    none in a middle chunk, the prompt's tail in the last one) is handed to the strategy
+    in its config; otherwise the strategy selects with both fallbacks off and
+    :func:`densify_segments` overwrites the dense tiles.
+
     Args:
         q: ``(total_q, Hq, d)`` queries of the chunk batch.
         k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys.
@@ -198,7 +298,7 @@ def select_chunk_blocks(
             may be None only when every tile is dense or ``strategy`` is ``"dense"``.
         states: one :class:`ChunkedPrefillState` per request, in batch order.
         config: selection parameters, with the fallbacks meant for the whole prompt.
-        strategy: a strategy name or instance (it sees ``config`` with both fallbacks off).
+        strategy: a strategy name or instance (it sees ``config`` with the fallbacks of the chunk).
         q_descale: ``(B, Hkv) float32`` FP8 query descales.
         k_descale: ``(B, Hkv) float32`` FP8 key descales.
 
@@ -220,11 +320,12 @@ def select_chunk_blocks(
     num_tiles = sum(m.numel() for m in dense_tiles)
     geometry = {"num_kv_heads": num_kv_heads, "group": group, "tile_size": config.tile_size}
     if num_dense == num_tiles:
-        return densify_segments(None, batch, dense_tiles, block_size=config.block_size, **geometry), num_dense
+        return dense_block_index(batch, block_size=config.block_size, **geometry), num_dense
     if statistics is None:
         raise ValueError("statistics are required when some tile of the chunk is selected sparsely")
-    # The strategy selects as if no tile were dense; the whole-prompt fallbacks are applied afterwards.
-    inner = dataclasses.replace(config, dense_tail_tiles=0, min_sparse_kv_len=0)
+    tail = uniform_dense_tail(dense_tiles)
+    # The chunk's own fallbacks: the whole-prompt tail when the index rule can state it, else none.
+    inner = dataclasses.replace(config, dense_tail_tiles=tail or 0, min_sparse_kv_len=0)
     index = build_block_index(
         q,
         k_cache,
@@ -235,6 +336,6 @@ def select_chunk_blocks(
         q_descale=q_descale,
         k_descale=k_descale,
     )
-    if num_dense:
+    if num_dense and tail is None:
         index = densify_segments(index, batch, dense_tiles, block_size=config.block_size, **geometry)
     return index, num_dense

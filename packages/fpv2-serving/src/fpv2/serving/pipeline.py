@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fpv2.correction import build_correction_plan, compute_block_statistics
-from fpv2.index import SelectionConfig, available_strategies, build_block_index
+from fpv2.index import SelectionConfig, available_strategies, build_block_index, get_strategy
 from fpv2.index.strategies.max_threshold import use_triton_index
 from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch, validate_prefill_inputs
 
@@ -66,9 +66,15 @@ class SparsePrefillPipeline:
         correction: add the mean correction for pruned blocks.
         backend: ``"auto"``, a backend name, or a backend object (see
             :func:`fpv2.serving.backends.resolve_backend`).
+        check_index: re-check on the device that the index fits the batch (tile offsets,
+            causality: two host syncs per call) even when a built-in strategy of
+            ``fpv2.index`` built it. By default an index from a built-in strategy is
+            recorded as built for the call's batch (:meth:`fpv2.kernel.BlockIndex.assume_compatible`),
+            so the kernel makes no host sync for it; indices of third-party strategies
+            are always checked.
 
     Raises:
-        TypeError: ``config`` is not a SelectionConfig or ``correction`` not a bool.
+        TypeError: ``config`` is not a SelectionConfig, or ``correction``/``check_index`` not a bool.
         ValueError: unknown strategy or backend name.
         RuntimeError: the named backend is not available here.
     """
@@ -80,6 +86,7 @@ class SparsePrefillPipeline:
         strategy: str = "max_threshold",
         correction: bool = True,
         backend: str | AttentionBackend = AUTO,
+        check_index: bool = False,
     ) -> None:
         if config is None:
             config = SelectionConfig()
@@ -90,7 +97,10 @@ class SparsePrefillPipeline:
             raise ValueError(f"unknown selection strategy {strategy!r}; choose one of: {', '.join(strategies)}")
         if not isinstance(correction, bool):
             raise TypeError(f"correction must be a bool; got {type(correction).__name__}")
+        if not isinstance(check_index, bool):
+            raise TypeError(f"check_index must be a bool; got {type(check_index).__name__}")
         self.config = config
+        self.check_index = check_index
         self.strategy = strategy
         self.correction = correction
         self.backend = resolve_backend(backend)
@@ -161,6 +171,9 @@ class SparsePrefillPipeline:
                 f"strategy {self.strategy!r} built an index for group {index.group} and {index.num_kv_heads} KV "
                 f"heads; the inputs have group {shapes.group} and {shapes.num_kv_heads} KV heads"
             )
+        if not self.check_index and is_builtin_strategy(self.strategy):
+            # Built here from this very batch by a built-in strategy: the kernel need not re-read it.
+            index.assume_compatible(batch, shapes.group)
         clock.mark("index")
         plan = None
         if self.correction:
@@ -182,6 +195,23 @@ class SparsePrefillPipeline:
         )
         clock.mark("attention")
         return PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)
+
+
+def is_builtin_strategy(strategy: str) -> bool:
+    """Whether the strategy registered under ``strategy`` now is one of ``fpv2.index``'s own.
+
+    Their indices take the tile offsets from the batch they are built for and keep causal
+    blocks only, which the index package's tests check against the reference; a
+    third-party strategy (an entry point, or a built-in name registered again) is not
+    trusted that way.
+
+    Args:
+        strategy: a registered strategy name.
+
+    Returns:
+        True for a built-in strategy.
+    """
+    return type(get_strategy(strategy)).__module__.startswith("fpv2.index.")
 
 
 def _pool_statistics(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch, **kw):

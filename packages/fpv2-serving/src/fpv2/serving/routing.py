@@ -59,6 +59,7 @@ from fpv2.kernel.contracts import HostBatchView
 
 from .backends import AUTO, AttentionBackend, output_dtype
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline
+from .transfer import device_ints
 
 #: Schema tag of routing table files.
 ROUTING_SCHEMA = "fpv2-routing/1"
@@ -771,9 +772,8 @@ def split_batch(
     total = cu[-1]
     n = len(requests)
     device = batch.device
-    # One host vector, one non-blocking copy: [requests | cu (n+1) | seqlens_k (n) | parent starts (n)].
-    packed = torch.tensor([*requests, *cu, *kv_lens, *starts], dtype=torch.int32)
-    packed = packed.to(device, non_blocking=True)
+    # One host vector, one non-blocking copy from pinned memory: [requests | cu (n+1) | seqlens_k (n) | starts (n)].
+    packed = device_ints([*requests, *cu, *kv_lens, *starts], device)
     req_index = packed[:n]
     cu_dev = packed[n : 2 * n + 1]
     seqlens_dev = packed[2 * n + 1 : 3 * n + 1]

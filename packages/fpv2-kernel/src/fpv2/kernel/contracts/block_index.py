@@ -145,6 +145,10 @@ class BlockIndex:
 
         Raises ``ValueError`` naming the mismatch: a kernel must never walk an index
         built for other tiles (the published implementation assumed it silently).
+
+        The value checks (tile offsets and causality) read the device, two host syncs;
+        they run once per (index, batch) pair, and not at all for a batch recorded
+        with :meth:`assume_compatible` by the index's producer.
         """
         if tile_size is not None and tile_size != self.tile_size:
             raise ValueError(
@@ -172,6 +176,45 @@ class BlockIndex:
                 f"causally visible blocks 0..{int(last_visible[s])}"
             )
         self._checked_batches[batch] = group
+
+    def assume_compatible(self, batch: PagedPrefillBatch, group: int) -> BlockIndex:
+        """Record that this index was derived from ``batch`` itself, so kernels skip the device reads.
+
+        For producers that build the index from the very batch object it will be
+        used with (every selection strategy of ``fpv2.index`` called through a
+        pipeline does): their tile offsets come from the batch's own query offsets
+        and their block ids are causal by construction, so the value checks of
+        :meth:`check_compatible` (two host syncs) would only re-read what the
+        producer just wrote. This is the index-side counterpart of
+        :meth:`PagedPrefillBatch.assume_host_view`. The checks that need no device
+        read still run here: request count, and segment count against the tiles of
+        the batch's host view (cached on the batch, seeded by engines); group and
+        tile size are checked again by every :meth:`check_compatible` call.
+
+        Args:
+            batch: the batch the index was built from.
+            group: GQA group size ``g`` the index was packed with.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            ValueError: the index was packed for another group, or its request or
+                segment count does not fit ``batch``.
+        """
+        if group != self.group:
+            raise ValueError(f"block index was packed for GQA group {self.group}, not {group}")
+        if self.num_requests != batch.num_requests:
+            raise ValueError(f"block index covers {self.num_requests} requests, the batch has {batch.num_requests}")
+        tiles = sum(num_query_tiles(n, group, self.tile_size) for n in batch.host.q_lens)
+        if self.num_segments != self.num_kv_heads * tiles:
+            raise ValueError(
+                f"block index has {self.num_segments} segments; the batch has {tiles} tiles of {self.tile_size} rows "
+                f"per KV head (group {group}), i.e. {self.num_kv_heads * tiles} segments for {self.num_kv_heads} KV "
+                "heads"
+            )
+        self._checked_batches[batch] = group
+        return self
 
     def _causal_violations(self, batch: PagedPrefillBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per segment: (last kept block > last visible block, last kept block, last visible block).

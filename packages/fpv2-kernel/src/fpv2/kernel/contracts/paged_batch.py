@@ -131,10 +131,10 @@ class PagedPrefillBatch:
     @cached_property
     def host(self) -> HostBatchView:
         """Host copies of the small index arrays, read once (one sync) and cached."""
-        return HostBatchView(
-            cu_seqlens_q=self.cu_seqlens_q.cpu().tolist(),
-            seqlens_k=self.seqlens_k.cpu().tolist(),
-        )
+        # Both arrays in one device-to-host copy: one synchronisation, not two.
+        both = torch.cat([self.cu_seqlens_q, self.seqlens_k]).cpu().tolist()
+        offsets = self.cu_seqlens_q.numel()
+        return HostBatchView(cu_seqlens_q=both[:offsets], seqlens_k=both[offsets:])
 
     def assume_host_view(self, host: HostBatchView) -> PagedPrefillBatch:
         """Hand the batch host copies of its offsets and lengths that the caller already holds.

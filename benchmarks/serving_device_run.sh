@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One device call for the serving measurements of issue 6, from the repository root.
+#
+# Steps (named on the command line, in order; default "routing chunked soak"):
+#   routing  benchmarks/routing_switch_point.py (L = 1K..32K, B=1, planted): the dense/sparse switch point
+#   chunked  benchmarks/chunked_prefill.py at 128K with 8K and 16K chunks (no fp32 reference)
+#   soak     benchmarks/soak.py: up to 10,000 pipeline calls, stopped by the time left (--time-limit)
+#   tests    the GPU-marked serving tests (pytest -m gpu)
+# Each step runs under its own time limit; all share FPV2_BUDGET_S. Everything a step writes goes
+# to $OUT/<step>/ and is packed into $OUT/serving-results.tgz at the end (the device returns at
+# most 8 files); $OUT/serving-device-run.log holds the whole output, and a compact table is
+# printed last. Needs no network: the packages run from their src/ folders.
+#
+# Environment: OUT [fpv2-results/serving], PYTHON [python3], FPV2_BUDGET_S [280],
+# FPV2_SOAK_CALLS [10000], FPV2_COMMIT (recorded in the JSON; the device copy has no git).
+
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+OUT="${OUT:-$ROOT/fpv2-results/serving}"
+mkdir -p "$OUT" || exit 1
+PYTHON="${PYTHON:-python3}"
+BUDGET="${FPV2_BUDGET_S:-280}"
+SOAK_CALLS="${FPV2_SOAK_CALLS:-10000}"
+export PYTHONPATH="$ROOT/packages/fpv2-kernel/src:$ROOT/packages/fpv2-index/src:$ROOT/packages/fpv2-correction/src:$ROOT/packages/fpv2-serving/src"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$ROOT/fpv2-results/triton-cache}"
+export HF_HUB_OFFLINE=1
+START=$SECONDS
+LOG="$OUT/serving-device-run.log"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(routing chunked soak)
+STATUS=()
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+
+run_step() { # run_step NAME LIMIT CMD...
+    local name=$1 limit=$2
+    shift 2
+    local remaining
+    remaining=$(left)
+    [ "$limit" -gt $((remaining - 8)) ] && limit=$((remaining - 8))
+    if [ "$limit" -lt 10 ]; then
+        STATUS+=("$name: skipped (no time left)")
+        return
+    fi
+    echo "=== [$name] limit ${limit}s, $(left)s left of ${BUDGET}s" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    STATUS+=("$name: rc=$rc in $((SECONDS - t0))s")
+}
+
+for step in "${STEPS[@]}"; do
+    case "$step" in
+    routing)
+        run_step routing 70 "$PYTHON" benchmarks/routing_switch_point.py --out "$OUT/routing" \
+            --seqlens 1024 2048 4096 8192 16384 32768 --repeats 10 --warmup 2
+        ;;
+    chunked)
+        run_step chunked 110 "$PYTHON" benchmarks/chunked_prefill.py --out "$OUT/chunked" --seqlen 131072 \
+            --chunks 8192 16384 --no-error --repeats 10 --warmup 2
+        ;;
+    soak)
+        # Leave time for the summary, the plot and packing: the soak stops drawing calls on its own.
+        limit=$(($(left) - 25))
+        run_step soak "$limit" "$PYTHON" benchmarks/soak.py --out "$OUT/soak" --calls "$SOAK_CALLS" \
+            --time-limit $((limit - 30)) --no-progress
+        ;;
+    tests)
+        mkdir -p "$OUT/tests"
+        run_step tests $(($(left) - 15)) "$PYTHON" -m pytest packages/fpv2-serving/tests -m gpu -q -rs \
+            -p no:cacheprovider --junitxml="$OUT/tests/junit-gpu-serving.xml"
+        ;;
+    *) STATUS+=("$step: unknown step") ;;
+    esac
+done
+
+# Compact table last: routing switch points, chunked rows, soak verdicts, test summary.
+{
+    echo "=== summary (${SECONDS}s)"
+    printf '%s\n' "${STATUS[@]}"
+    for f in "$OUT"/routing/*.md "$OUT"/chunked/*.md; do
+        [ -f "$f" ] && { echo "--- ${f#"$OUT"/}"; cat "$f"; }
+    done
+    grep -h "switch point" "$LOG" || true
+    grep -hA12 "^soak: [0-9]" "$LOG" || true
+    grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$LOG" || true
+} | tee -a "$LOG"
+# Machine paths out of the results (the repository root becomes "<repo>").
+find "$OUT" -type f \( -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.xml' \) -print0 |
+    xargs -0 -r sed -i "s#$OUT#<out>#g; s#$ROOT#<repo>#g"
+(cd "$OUT" && tar czf serving-results.tgz --exclude=serving-results.tgz --exclude=serving-device-run.log \
+    $(ls -d routing chunked soak tests 2>/dev/null)) && rm -rf "$OUT"/routing "$OUT"/chunked "$OUT"/soak "$OUT"/tests
+ls -la "$OUT"
