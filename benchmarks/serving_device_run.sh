@@ -12,7 +12,9 @@
 # printed last. Needs no network: the packages run from their src/ folders.
 #
 # Environment: OUT [fpv2-results/serving], PYTHON [python3], FPV2_BUDGET_S [280],
-# FPV2_SOAK_CALLS [10000], FPV2_COMMIT (recorded in the JSON; the device copy has no git).
+# FPV2_SOAK_CALLS [10000], FPV2_LIMIT_TESTS / _ROUTING / _CHUNKED step limits in seconds
+# [120 / 55 / 95; the soak takes what is left], FPV2_COMMIT (recorded in the JSON; the device
+# copy has no git).
 
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -54,11 +56,11 @@ run_step() { # run_step NAME LIMIT CMD...
 for step in "${STEPS[@]}"; do
     case "$step" in
     routing)
-        run_step routing 70 "$PYTHON" benchmarks/routing_switch_point.py --out "$OUT/routing" \
+        run_step routing "${FPV2_LIMIT_ROUTING:-55}" "$PYTHON" benchmarks/routing_switch_point.py --out "$OUT/routing" \
             --seqlens 1024 2048 4096 8192 16384 32768 --repeats 10 --warmup 2
         ;;
     chunked)
-        run_step chunked 110 "$PYTHON" benchmarks/chunked_prefill.py --out "$OUT/chunked" --seqlen 131072 \
+        run_step chunked "${FPV2_LIMIT_CHUNKED:-95}" "$PYTHON" benchmarks/chunked_prefill.py --out "$OUT/chunked" --seqlen 131072 \
             --chunks 8192 16384 --no-error --repeats 10 --warmup 2
         ;;
     soak)
@@ -69,8 +71,8 @@ for step in "${STEPS[@]}"; do
         ;;
     tests)
         mkdir -p "$OUT/tests"
-        run_step tests $(($(left) - 15)) "$PYTHON" -m pytest packages/fpv2-serving/tests -m gpu -q -rs \
-            -p no:cacheprovider --junitxml="$OUT/tests/junit-gpu-serving.xml"
+        run_step tests "${FPV2_LIMIT_TESTS:-120}" "$PYTHON" -m pytest packages/fpv2-serving/tests -m gpu -q -rs \
+            -p no:cacheprovider --timeout 90 --junitxml="$OUT/tests/junit-gpu-serving.xml"
         ;;
     *) STATUS+=("$step: unknown step") ;;
     esac
