@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One-call device check of the sm_90a dense prefill kernel (issue 5, first step), from the repository root.
+# One-call device check of the sm_90a prefill kernel (dense, block-sparse, mean correction), from the repository root.
 #
-# Builds packages/fpv2-kernel with -DFPV2_BUILD_HOPPER_KERNEL=ON (the kernel as a static library plus its
-# native programs), then:
+# Builds the native test programs of packages/fpv2-kernel (-DFPV2_BUILD_HOPPER_KERNEL=ON), then:
 #   1. the ptxas report of the kernel (registers, spills, barriers) and a SASS census (HGMMA, UTMALDG,
 #      USETMAXREG, local memory) from cuobjdump;
 #   2. fpv2_hopper_layout_check (host-only index algebra);
 #   3. fpv2_hopper_dense_test --mode correctness (refusals + the case grid against the fp32 reference);
-#   4. fpv2_hopper_dense_test --mode timing (L = 32K and 128K, B=1, Hq=32, Hkv=8: median of 10, TFLOP/s);
+#   4. fpv2_hopper_dense_test --mode timing (L = 32K and 128K, B=1, Hq=32, Hkv=8: median of 10, TFLOP/s;
+#      dense, then sparse at HOPPER_KEEP without and with the correction);
 #   5. compute-sanitizer memcheck (and racecheck, reported but not fatal) on --mode small.
 # Every step runs even when an earlier one failed (a failed build skips the programs); the script exits 1
 # if any step failed. Steps share a time budget (HOPPER_BUDGET_S) inside the device's 10-minute limit.
@@ -29,6 +29,7 @@
 #   HOPPER_BUDGET_S      seconds for the whole script [560]
 #   HOPPER_LENGTHS       timing lengths ["32768,131072"]
 #   HOPPER_REPEATS       timed runs per length [10]
+#   HOPPER_KEEP          probability of keeping a block below the diagonal band in the sparse timing [0.03]
 #   HOPPER_SEED          input seed offset [seconds since the epoch, printed]
 #   HOPPER_SKIP_RACECHECK=1   skip the racecheck run
 #   CUOBJDUMP, COMPUTE_SANITIZER   tool paths [PATH, then /usr/local/cuda/bin]
@@ -46,6 +47,7 @@ JOBS="${HOPPER_JOBS:-$(nproc)}"
 BUDGET="${HOPPER_BUDGET_S:-560}"
 LENGTHS="${HOPPER_LENGTHS:-32768,131072}"
 REPEATS="${HOPPER_REPEATS:-10}"
+KEEP="${HOPPER_KEEP:-0.03}"
 SEED="${HOPPER_SEED:-$(date +%s)}"
 START=$SECONDS
 FAILED=()
@@ -119,8 +121,14 @@ ptxas_and_sass() {
         echo "cuobjdump not found"
         return 1
     }
-    "$cuobjdump" --dump-sass "$BUILD/libfpv2_hopper_dense.a" >"$OUT/kernel.sass" 2>/dev/null || return 1
-    "$cuobjdump" --dump-resource-usage "$BUILD/libfpv2_hopper_dense.a" 2>/dev/null | grep -A1 "dense_prefill_kernel"
+    # The test program also holds the reference and fill kernels: keep only the prefill kernel's SASS.
+    "$cuobjdump" --dump-sass "$BUILD/fpv2_hopper_dense_test" 2>/dev/null |
+        awk '/Function : /{keep = ($0 ~ /dense_prefill_kernel/)} keep' >"$OUT/kernel.sass" || return 1
+    [[ -s "$OUT/kernel.sass" ]] || {
+        echo "!!! no dense_prefill_kernel SASS found"
+        return 1
+    }
+    "$cuobjdump" --dump-resource-usage "$BUILD/fpv2_hopper_dense_test" 2>/dev/null | grep -A1 "dense_prefill_kernel"
     echo "--- SASS census (counts of instruction forms)"
     local forms="HGMMA[.A-Z0-9x]*|UTMALDG[.A-Z0-9]*|USETMAXREG[._A-Z]*|LDGSTS[.A-Z0-9]*|SYNCS[.A-Z0-9]*"
     grep -oE "$forms|\bLDL[.A-Z0-9]*|\bSTL[.A-Z0-9]*" "$OUT/kernel.sass" | sort | uniq -c
@@ -162,7 +170,7 @@ main() {
         run_step correctness 150 "$OUT/correctness.log" "$BUILD/fpv2_hopper_dense_test" --mode correctness \
             --seed "$SEED"
         run_step timing 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_dense_test" --mode timing --lengths "$LENGTHS" \
-            --repeats "$REPEATS" --seed "$SEED"
+            --repeats "$REPEATS" --keep "$KEEP" --seed "$SEED"
         grep "^RESULT " "$OUT/timing.log" | sed 's/^RESULT //' >"$OUT/results.jsonl"
         run_step sanitizer 150 "$OUT/sanitizer.log" sanitize
     fi

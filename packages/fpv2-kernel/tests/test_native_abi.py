@@ -62,6 +62,8 @@ INSTALLED_HEADER = LIB_PATH.resolve().parent.parent / "include" / "fpv2" / "fpv2
 CHECK_SYMBOLS = PACKAGE_ROOT / "tools" / "check_symbols.py"
 HEADERS = [h for h in (IN_TREE_HEADER, INSTALLED_HEADER) if h.is_file()]
 Status = native.Status
+DType = native.DType
+HAS_KERNEL = bool(LIB.fpv2_hopper_kernel_available())
 
 
 def _last_error() -> str:
@@ -207,7 +209,8 @@ def test_newer_minor_is_accepted() -> None:
 def test_build_info_and_status_strings() -> None:
     info = LIB.fpv2_get_build_info().decode()
     assert "nvcc" in info and "sm_90a" in info and "CUTLASS 4.2" in info
-    assert "not built" in info
+    assert ("Hopper attention kernel: built" in info) == HAS_KERNEL
+    assert ("not built" in info) == (not HAS_KERNEL)
     for status in Status:
         text = LIB.fpv2_status_string(status).decode()
         assert text.startswith("FPV2_OK" if status == Status.OK else f"FPV2_ERROR_{status.name}")
@@ -546,6 +549,7 @@ def test_valid_structs_pass_alone() -> None:
 
 
 # --------------------------------------------------------------------------------------------- prefill
+@pytest.mark.skipif(HAS_KERNEL, reason="this library contains the Hopper kernel (built with it by default)")
 def test_prefill_reports_not_built() -> None:
     case = Case()
     index, plan = case.index_and_plan()
@@ -560,6 +564,34 @@ def test_prefill_reports_not_built() -> None:
     assert str(info.value) == message
     available, reason = native.hopper_available()
     assert available is False and "not part of this build" in reason
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tensors of this case must not reach a GPU launch")
+def test_prefill_with_the_kernel_but_no_gpu_reports_the_cuda_failure() -> None:
+    # Arguments the kernel serves (bf16, d=128, page 128, dense) pass validation and the launcher's own
+    # checks; the launcher then finds no CUDA device and says so (nothing is launched).
+    case = Case(head_dim=128, page_size=128)
+    args = case.args()
+    assert LIB.fpv2_hopper_kernel_available() == 1
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.CUDA
+    message = _last_error()
+    assert "Hopper" in message and "cuda" in message.lower()
+    available, reason = native.hopper_available()
+    assert available is False and "CUDA" in reason
+
+
+def test_pooled_statistics_may_be_bf16_but_both_alike() -> None:
+    case = Case()
+    index, plan = case.index_and_plan()
+    args = case.args(index=index, plan=plan)
+    plan_struct = args.correction.contents
+    plan_struct.pooled_k.dtype = int(DType.BF16)
+    plan_struct.pooled_v.dtype = int(DType.BF16)
+    assert LIB.fpv2_validate_correction_plan(args.correction, args.batch) == Status.OK
+    plan_struct.pooled_v.dtype = int(DType.F32)
+    assert LIB.fpv2_validate_correction_plan(args.correction, args.batch) == Status.INVALID_ARGUMENT
+    assert "fpv2_correction_plan_t.pooled_v" in _last_error()
 
 
 # --------------------------------------------------------------------------------------------- threads

@@ -1,13 +1,16 @@
-// The consumer side of the dense prefill kernel: one call per consumer warpgroup thread (256 threads,
-// two warpgroups, 64 query rows each).
+// The consumer side of the prefill kernel: one call per consumer warpgroup thread (256 threads, two
+// warpgroups, 64 query rows each).
 //
-// Per tile: gather the warpgroup's PackGQA Q rows (cp.async), then for every visible KV block, last first:
+// Per tile: gather the warpgroup's PackGQA Q rows (cp.async), then for every KV tile of the BlockSchedule:
 //   S = Q K^T          SS wgmma, fp32 accumulators; K stage released as soon as the product is done;
-//   mask               only in the diagonal band (n >= n_block_masked), by replacement with -inf;
+//   mask               kept blocks: only in the diagonal band (n >= n_block_masked), by replacement with
+//                      -inf; pooled tiles of the correction: the log|B_J| shift on eligible columns, -inf
+//                      elsewhere (correction_mask.hpp);
 //   online softmax     exp2 with the log2(e)-folded scale, O rescaled in registers;
 //   P -> bf16          in registers, regrouped as the A operand (no shared-memory round trip);
 //   O += P V           RS wgmma; V stage released after the product.
-// The blocks are split into a masked loop and an unmasked loop so that the steady state carries no mask.
+// The kept blocks are split into a masked loop and an unmasked loop so that the steady state carries no
+// mask; in sparse mode the next block id is read one iteration ahead.
 //
 // Not yet here (next steps of issue 5): intra-warpgroup overlap (QK of block n-1 issued before the
 // softmax of block n, one wgmma batch kept in flight) and the inter-warpgroup scheduling barrier that
@@ -18,7 +21,9 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "hopper/block_schedule.hpp"
 #include "hopper/causal_mask.hpp"
+#include "hopper/correction_mask.hpp"
 #include "hopper/epilogue_store.hpp"
 #include "hopper/fragment_layouts.hpp"
 #include "hopper/kv_pipeline.hpp"
@@ -83,14 +88,25 @@ struct ConsumerMainloop {
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
     auto state = Pipeline::consumer_start();
+    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+    const int pooled_base = params.has_correction ? params.pooled_block_offsets[tile.request] : 0;
+    if (schedule.num_correction > 0) {
+      // Uniform over the CTA's consumers (the same schedule everywhere), so the barriers inside match.
+      CorrectionMask<Traits>::build_kept_bitmap(smem.kept_bitmap, schedule, tile.n_block_masked, consumer_thread);
+    }
 
-    auto process_block = [&](int n_block, auto masked) {
-      constexpr bool kMasked = decltype(masked)::value;
+    // One KV tile of the schedule: kMode 0 = kept block, unmasked; 1 = kept block in the diagonal band;
+    // 2 = pooled tile `n` of the mean correction.
+    auto process_tile = [&](int n, auto mode) {
+      constexpr int kMode = decltype(mode)::value;
       pipeline_k.consumer_wait(state);
       warpgroup_gemm</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state.stage), tSrS);
       pipeline_k.consumer_release(state);
-      if constexpr (kMasked) {
-        mask.apply(tSrS_rc, tScS_rc, n_block);
+      if constexpr (kMode == 1) {
+        mask.apply(tSrS_rc, tScS_rc, n);
+      } else if constexpr (kMode == 2) {
+        CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.kept_bitmap, params, pooled_base, tile.n_block_masked,
+                                      n);
       }
       softmax.step(tSrS_rc, tOrO_rc);
 
@@ -100,10 +116,16 @@ struct ConsumerMainloop {
       Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_values.data()), PFragmentLayout{});
 
       pipeline_v.consumer_wait(state);
-      if constexpr (kMasked) {
-        if (tile.is_partial_tail_block(n_block)) {
-          ValueTailGuard<Traits>::clear(sVt, state.stage, tile.seqlen_k - n_block * Traits::kBlockN,
-                                        consumer_thread);
+      if constexpr (kMode == 1) {
+        if (tile.is_partial_tail_block(n)) {
+          ValueTailGuard<Traits>::clear(sVt, state.stage, tile.seqlen_k - n * Traits::kBlockN, consumer_thread);
+        }
+      } else if constexpr (kMode == 2) {
+        // Rows past the eligible range (the next request's pooled rows, or spare rows of the tensor) carry
+        // zero probability but are not guaranteed finite: clear them in the last pooled tile.
+        const int eligible_rows = tile.n_block_masked - n * Traits::kBlockN;
+        if (eligible_rows < Traits::kBlockN) {
+          ValueTailGuard<Traits>::clear(sVt, state.stage, eligible_rows, consumer_thread);
         }
       }
       warpgroup_gemm</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, state.stage), tOrO);
@@ -111,14 +133,24 @@ struct ConsumerMainloop {
       state.advance();
     };
 
-    int n_block = tile.n_block_max - 1;
+    const int num_kept = schedule.num_kept;
+    int i = 0;
+    int n_next = num_kept > 0 ? schedule.block(0) : 0;
     CUTE_NO_UNROLL
-    for (; n_block >= tile.n_block_masked; --n_block) {
-      process_block(n_block, cute::true_type{});
+    for (; i < num_kept && n_next >= tile.n_block_masked; ++i) {
+      const int n = n_next;
+      n_next = i + 1 < num_kept ? schedule.block(i + 1) : 0;
+      process_tile(n, cute::Int<1>{});
     }
     CUTE_NO_UNROLL
-    for (; n_block >= 0; --n_block) {
-      process_block(n_block, cute::false_type{});
+    for (; i < num_kept; ++i) {
+      const int n = n_next;
+      n_next = i + 1 < num_kept ? schedule.block(i + 1) : 0;
+      process_tile(n, cute::Int<0>{});
+    }
+    CUTE_NO_UNROLL
+    for (int c = 0; c < schedule.num_correction; ++c) {
+      process_tile(c, cute::Int<2>{});
     }
 
     float lse[kRows];

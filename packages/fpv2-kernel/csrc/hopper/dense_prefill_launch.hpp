@@ -70,6 +70,18 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
                               make_shape(plan.cache_rows, plan.cache_cols), make_stride(plan.k_token_stride, _1{}));
   Tensor v_cols = make_tensor(make_gmem_ptr(static_cast<Element const*>(plan.v_cache)),
                               make_shape(plan.cache_cols, plan.cache_rows), make_stride(_1{}, plan.v_token_stride));
+  // The pooled statistics are read like the cache: (total_blocks, Hkv * d) rows, contiguous. Without the
+  // correction the descriptors are built over the cache and never used.
+  const bool has_correction = plan.pooled_k != nullptr;
+  const int32_t pooled_rows = has_correction ? plan.pooled_rows : plan.cache_rows;
+  const int64_t pooled_stride = has_correction ? int64_t(plan.cache_cols) : plan.k_token_stride;
+  Tensor pooled_k_rows = make_tensor(
+      make_gmem_ptr(static_cast<Element const*>(has_correction ? plan.pooled_k : plan.k_cache)),
+      make_shape(pooled_rows, plan.cache_cols), make_stride(pooled_stride, _1{}));
+  Tensor pooled_v_cols = make_tensor(
+      make_gmem_ptr(static_cast<Element const*>(has_correction ? plan.pooled_v : plan.v_cache)),
+      make_shape(plan.cache_cols, pooled_rows),
+      make_stride(_1{}, has_correction ? int64_t(plan.cache_cols) : plan.v_token_stride));
   constexpr float kLog2e = 1.4426950408889634f;
   const Params params{
       make_tma_copy(SM90_TMA_LOAD{}, k_rows, typename Traits::SmemLayoutKStage{}, typename Params::TileK{}, _1{}),
@@ -95,6 +107,18 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
       plan.num_requests,
       static_cast<int32_t>(num_m_blocks),
       plan.softmax_scale * kLog2e,
+      plan.index_offsets,
+      plan.index_blocks,
+      plan.index_tile_offsets,
+      make_tma_copy(SM90_TMA_LOAD{}, pooled_k_rows, typename Traits::SmemLayoutKStage{}, typename Params::TileK{},
+                    _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, pooled_v_cols, typename Traits::SmemLayoutVtStage{}, typename Params::TileVt{},
+                    _1{}),
+      pooled_rows,
+      plan.pooled_block_offsets,
+      plan.block_lengths,
+      1.0f / plan.softmax_scale,
+      has_correction ? 1 : 0,
   };
 
   auto kernel = dense_prefill_kernel<Traits>;

@@ -1,5 +1,5 @@
-// Device parameters of the dense prefill kernel: plain pointers, strides and sizes, plus the two TMA
-// descriptors over the paged KV cache. Passed by value as a __grid_constant__ kernel parameter so that
+// Device parameters of the prefill kernel: plain pointers, strides and sizes, plus the TMA descriptors
+// over the paged KV cache and over the bf16 pooled statistics of the mean correction. Passed by value as a __grid_constant__ kernel parameter so that
 // the TMA unit reads the descriptors straight from the parameter space.
 //
 // The cache (num_pages, page_size, Hkv, d) is viewed as a row-major matrix of num_pages * page_size
@@ -62,6 +62,21 @@ struct DensePrefillParams {
   int32_t num_requests;  // B
   int32_t num_m_blocks;  // query tiles of the longest request; gridDim.x = num_m_blocks * Hkv * B
   float softmax_scale_log2;  // softmax_scale * log2(e): scores go through exp2
+
+  // Block-sparse traversal (fpv2_block_index_t, block_size = kBlockN); all nullptr for dense attention.
+  int32_t const* index_offsets;       // (S+1,)
+  int32_t const* index_blocks;        // kept block ids, ascending within a segment
+  int32_t const* index_tile_offsets;  // (B+1,) cumulative tiles per request
+
+  // Mean correction (fpv2_correction_plan_t with bf16 pooled tensors); has_correction = 0: none. The pooled
+  // tensors (total_blocks, Hkv, d) are viewed like the cache, one row per block, and loaded as 128-row tiles.
+  TmaK tma_pooled_k;
+  TmaV tma_pooled_v;
+  int32_t pooled_rows;                   // total_blocks
+  int32_t const* pooled_block_offsets;   // (B+1,) first pooled row of each request
+  int32_t const* block_lengths;          // (total_blocks,) tokens pooled into each row
+  float inverse_softmax_scale;           // log|B| / softmax_scale is the raw-score shift of a pooled key
+  int32_t has_correction;
 };
 
 }  // namespace fpv2::hopper

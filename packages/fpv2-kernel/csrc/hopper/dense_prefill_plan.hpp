@@ -7,6 +7,10 @@
 
 namespace fpv2::hopper {
 
+// Blocks below n_block_masked that one tile's mean correction can mark as kept (a shared-memory bitmap):
+// 2^21 tokens at 128-token blocks. The launcher refuses longer requests when the correction is on.
+inline constexpr int kMaxCorrectionBlocks = 16384;
+
 struct DensePrefillPlan {
   // Queries and outputs (total_q, Hq, d), lse (total_q, Hq) or nullptr; strides in elements.
   const void* q;
@@ -40,6 +44,18 @@ struct DensePrefillPlan {
   int32_t head_dim;      // d
   int32_t max_seqlen_q;  // host-side bound on every q_len_b (sizes the grid)
   float softmax_scale;   // > 0
+
+  // Block index (device pointers), all nullptr for dense attention.
+  const int32_t* index_offsets;
+  const int32_t* index_blocks;
+  const int32_t* index_tile_offsets;
+
+  // Mean correction: bf16 pooled K/V (total_blocks, Hkv, d), contiguous; pooled_k == nullptr: none.
+  const void* pooled_k;
+  const void* pooled_v;
+  int32_t pooled_rows;
+  const int32_t* pooled_block_offsets;
+  const int32_t* block_lengths;
 };
 
 }  // namespace fpv2::hopper

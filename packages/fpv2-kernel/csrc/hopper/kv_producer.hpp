@@ -1,11 +1,15 @@
-// The producer of the dense prefill kernel: one thread issues the TMA loads of the K and V tiles of every
-// visible KV block, in the order the consumers read them (n_block_max - 1 down to 0).
+// The producer of the prefill kernel: one thread issues the TMA loads of the K and V tiles of the tile's
+// BlockSchedule, in the order the consumers read them: the kept KV blocks (last first), then the tiles of
+// bf16 pooled K/V rows of the mean correction.
 //
 // Block n of request b lives in page page_table[b][n / blocks_per_page] at row block n % blocks_per_page of
 // that page (page_size is a multiple of the 128-token tile, so a tile never straddles two pages); in the
 // (num_pages * page_size, Hkv * d) view of the cache that is row block page * blocks_per_page +
 // n % blocks_per_page. The next block's page id is read while the current tile is waiting for a free stage.
-// K and V have one pipeline each, with the same number of stages, so one state indexes both.
+// Pooled tile c of request b is rows pooled_block_offsets[b] + 128 c .. + 127 of the (total_blocks, Hkv * d)
+// view of the pooled tensors; rows past the tensor are zero-filled by TMA, rows of the next request are
+// loaded but masked by the consumers. K and V have one pipeline each, with the same number of stages, so
+// one state indexes both.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +17,7 @@
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/tensor.hpp>
 
+#include "hopper/block_schedule.hpp"
 #include "hopper/kv_pipeline.hpp"
 
 namespace fpv2::hopper {
@@ -45,20 +50,47 @@ struct KvProducer {
       return page * blocks_per_page + n_block % blocks_per_page;
     };
 
+    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
     auto state = Pipeline::producer_start();
-    int n_block = tile.n_block_max - 1;
-    int row_block = row_block_of(n_block);
+    const int num_kept = schedule.num_kept;
+    int row_block = num_kept > 0 ? row_block_of(schedule.block(0)) : 0;
     CUTE_NO_UNROLL
-    for (; n_block >= 0; --n_block) {
-      const int next_row_block = n_block > 0 ? row_block_of(n_block - 1) : 0;
+    for (int i = 0; i < num_kept; ++i) {
+      const int next_row_block = i + 1 < num_kept ? row_block_of(schedule.block(i + 1)) : 0;
       uint64_t& full_k = pipeline_k.producer_acquire(state, Traits::kTileBytesK);
       copy(params.tma_k.with(full_k), tKgK(_, row_block), tKsK(_, state.stage));
       uint64_t& full_v = pipeline_v.producer_acquire(state, Traits::kTileBytesV);
       copy(params.tma_v.with(full_v), tVgVt(_, row_block), tVsVt(_, state.stage));
       state.advance();
       row_block = next_row_block;
+    }
+
+    if (schedule.num_correction > 0) {
+      // The request's pooled rows start at pooled_block_offsets[b]: shift the coordinate origin there, then
+      // tile by 128 rows like the cache.
+      const int pooled_base = params.pooled_block_offsets[tile.request];
+      Tensor mPK = domain_offset(make_coord(pooled_base, _0{}),
+                                 params.tma_pooled_k.get_tma_tensor(make_shape(params.pooled_rows, params.cache_cols)));
+      Tensor mPVt = domain_offset(make_coord(_0{}, pooled_base), params.tma_pooled_v.get_tma_tensor(
+                                                                    make_shape(params.cache_cols, params.pooled_rows)));
+      Tensor gPK = local_tile(mPK, typename Params::TileK{}, make_coord(_, tile.kv_head));
+      Tensor gPVt = local_tile(mPVt, typename Params::TileVt{}, make_coord(tile.kv_head, _));
+      auto tma_pk = params.tma_pooled_k.get_slice(_0{});
+      auto tma_pv = params.tma_pooled_v.get_slice(_0{});
+      Tensor tPKgPK = group_modes<0, 3>(tma_pk.partition_S(gPK));
+      Tensor tPKsK = group_modes<0, 3>(tma_pk.partition_D(sK));
+      Tensor tPVgPVt = group_modes<0, 3>(tma_pv.partition_S(gPVt));
+      Tensor tPVsVt = group_modes<0, 3>(tma_pv.partition_D(sVt));
+      CUTE_NO_UNROLL
+      for (int c = 0; c < schedule.num_correction; ++c) {
+        uint64_t& full_k = pipeline_k.producer_acquire(state, Traits::kTileBytesK);
+        copy(params.tma_pooled_k.with(full_k), tPKgPK(_, c), tPKsK(_, state.stage));
+        uint64_t& full_v = pipeline_v.producer_acquire(state, Traits::kTileBytesV);
+        copy(params.tma_pooled_v.with(full_v), tPVgPVt(_, c), tPVsVt(_, state.stage));
+        state.advance();
+      }
     }
   }
 };

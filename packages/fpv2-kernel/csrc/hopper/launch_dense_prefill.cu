@@ -65,8 +65,6 @@ class DeviceGuard {
   int device_ = 0;
 };
 
-int32_t unsupported(const char* what) { return fail(FPV2_ERROR_UNSUPPORTED, what); }
-
 // The cache must be the stack of its pages: (num_pages, page_size, Hkv, d) with page stride =
 // page_size * token stride and head stride = d, so that it reads as one (num_pages * page_size, Hkv * d)
 // matrix with row stride = token stride (the TMA view).
@@ -98,6 +96,38 @@ int32_t check_cache_view(const fpv2_tensor_t& cache, const char* name, int64_t p
   return FPV2_OK;
 }
 
+// The correction's pooled K/V are read by TMA as bf16 (total_blocks, Hkv * d) rows; the todo masks, when
+// given, are not read: the kernel derives the same bits from the block index (fpv2.h).
+int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_paged_batch_t& batch) {
+  for (const fpv2_tensor_t* t : {&plan.pooled_k, &plan.pooled_v}) {
+    const char* name = t == &plan.pooled_k ? "fpv2_correction_plan_t.pooled_k" : "fpv2_correction_plan_t.pooled_v";
+    if (t->dtype != FPV2_DTYPE_BF16) {
+      return fail(FPV2_ERROR_UNSUPPORTED,
+                  format("%s: the Hopper kernel loads the pooled statistics with TMA as bf16 tiles; got dtype %s "
+                         "(convert the float32 statistics to bfloat16 first) (%s)",
+                         name, dtype_name(t->dtype).c_str(), describe(*t).c_str()));
+    }
+    if (!aligned(t->data, 16)) {
+      return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                  format("%s: TMA needs a 16-byte aligned base; got data=%p (%s)", name, t->data, describe(*t).c_str()));
+    }
+    if (t->shape[0] > std::numeric_limits<int32_t>::max()) {
+      return fail(FPV2_ERROR_UNSUPPORTED, format("%s: more than 2^31 - 1 pooled rows (%s)", name, describe(*t).c_str()));
+    }
+  }
+  if (plan.block_size != kKvTile) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2_correction_plan_t.block_size=%d: the Hopper kernel pools 128-token blocks", plan.block_size));
+  }
+  if (int64_t(batch.max_seqlen_k) > int64_t(kMaxCorrectionBlocks) * kKvTile) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2_paged_batch_t.max_seqlen_k=%d: the Hopper kernel's mean correction marks at most %d "
+                       "blocks (%lld tokens) per request",
+                       batch.max_seqlen_k, kMaxCorrectionBlocks, ll(int64_t(kMaxCorrectionBlocks) * kKvTile)));
+  }
+  return FPV2_OK;
+}
+
 int32_t check_device(int device) {
   int major = 0, minor = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -122,14 +152,14 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
     return fail(FPV2_ERROR_INVALID_ARGUMENT, "fpv2_prefill_args_t.batch is NULL (validate the arguments first)");
   }
   const fpv2_paged_batch_t& batch = *args.batch;
-  if (args.index != nullptr) {
-    return unsupported(
-        "fpv2 Hopper dense prefill: fpv2_prefill_args_t.index is set; this build's Hopper kernel computes dense "
-        "attention only (the block-sparse CSR traversal is a later step); pass index=NULL for dense attention");
+  if (args.index != nullptr && args.index->block_size != kKvTile) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2_block_index_t.block_size=%d: the Hopper kernel visits 128-token KV blocks and needs "
+                       "block_size 128",
+                       args.index->block_size));
   }
   if (args.correction != nullptr) {
-    return unsupported("fpv2 Hopper dense prefill: fpv2_prefill_args_t.correction is set; the mean correction is "
-                       "not part of this build's Hopper kernel");
+    FPV2_RETURN_IF_ERROR(check_pooled_statistics(*args.correction, batch));
   }
   const fpv2_tensor_t& q = args.q;
   if (q.dtype != FPV2_DTYPE_BF16) {
@@ -212,6 +242,20 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
   plan.max_seqlen_q = batch.max_seqlen_q;
   plan.softmax_scale =
       args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+
+  if (args.index != nullptr) {
+    plan.index_offsets = static_cast<const int32_t*>(args.index->offsets.data);
+    plan.index_blocks = static_cast<const int32_t*>(args.index->blocks.data);
+    plan.index_tile_offsets = static_cast<const int32_t*>(args.index->tile_offsets.data);
+  }
+  if (args.correction != nullptr) {
+    const fpv2_correction_plan_t& c = *args.correction;
+    plan.pooled_k = c.pooled_k.data;
+    plan.pooled_v = c.pooled_v.data;
+    plan.pooled_rows = static_cast<int32_t>(c.pooled_k.shape[0]);
+    plan.pooled_block_offsets = static_cast<const int32_t*>(c.block_offsets.data);
+    plan.block_lengths = static_cast<const int32_t*>(c.block_lengths.data);
+  }
 
   switch (plan.head_dim) {
     case 128:

@@ -10,6 +10,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "hopper/correction_mask.hpp"
 #include "hopper/kv_pipeline.hpp"
 
 namespace fpv2::hopper {
@@ -24,6 +25,7 @@ struct DensePrefillSharedStorage {
   alignas(kSmemTileAlignment) Element v[cute::cosize_v<typename Traits::SmemLayoutVt>];
   KvPipelineStorage<Traits::kStages> pipeline_k;
   KvPipelineStorage<Traits::kStages> pipeline_v;
+  KeptBitmapStorage kept_bitmap;  // mean correction only
 };
 
 // Dynamic shared memory to request: the storage plus the slack used to align its base.

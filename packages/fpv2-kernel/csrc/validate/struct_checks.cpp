@@ -152,10 +152,11 @@ int32_t validate_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch
     return fail(FPV2_ERROR_INVALID_ARGUMENT,
                 format("fpv2_correction_plan_t.block_size=%d; expected a power of two", p.block_size));
   }
-  FPV2_RETURN_IF_ERROR(check_required(p.pooled_k, "fpv2_correction_plan_t.pooled_k", {FPV2_DTYPE_F32}, 3));
+  FPV2_RETURN_IF_ERROR(
+      check_required(p.pooled_k, "fpv2_correction_plan_t.pooled_k", {FPV2_DTYPE_F32, FPV2_DTYPE_BF16}, 3));
   FPV2_RETURN_IF_ERROR(check_contiguous(p.pooled_k, "fpv2_correction_plan_t.pooled_k"));
   const int64_t total_blocks = p.pooled_k.shape[0];
-  FPV2_RETURN_IF_ERROR(check_required(p.pooled_v, "fpv2_correction_plan_t.pooled_v", {FPV2_DTYPE_F32}, 3));
+  FPV2_RETURN_IF_ERROR(check_required(p.pooled_v, "fpv2_correction_plan_t.pooled_v", {p.pooled_k.dtype}, 3));
   FPV2_RETURN_IF_ERROR(check_shape(p.pooled_v, "fpv2_correction_plan_t.pooled_v",
                                    {total_blocks, p.pooled_k.shape[1], p.pooled_k.shape[2]},
                                    "pooled_k's (total_blocks, Hkv, d)"));

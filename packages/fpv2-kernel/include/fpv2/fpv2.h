@@ -26,7 +26,7 @@
 #include <stdint.h>
 
 #define FPV2_ABI_VERSION_MAJOR 1
-#define FPV2_ABI_VERSION_MINOR 0
+#define FPV2_ABI_VERSION_MINOR 1
 
 #if defined(_WIN32)
 #define FPV2_API
@@ -127,15 +127,17 @@ typedef struct fpv2_block_index_t {
  * a segment is corrected when it is fully visible to the tile's first row; the eligible range
  * is walked in chunks of chunk_size (= 64) blocks. When todo_offsets/todo_masks are given,
  * bit i of word w of segment s (todo_masks[todo_offsets[s] + w]) marks block w * 64 + i; when
- * absent the kernel derives the same bits from the block index. */
+ * absent the kernel derives the same bits from the block index (the Hopper kernel always derives
+ * them). The pooled tensors are F32 or, since ABI 1.1, BF16 (both the same dtype); the Hopper
+ * kernel reads BF16 only and refuses F32 with FPV2_ERROR_UNSUPPORTED. */
 #define FPV2_CORRECTION_CHUNK 64
 
 typedef struct fpv2_correction_plan_t {
   uint32_t struct_size; /* sizeof(fpv2_correction_plan_t) */
   int32_t chunk_size;   /* must be FPV2_CORRECTION_CHUNK */
   int32_t block_size;   /* must equal the block index's block_size */
-  fpv2_tensor_t pooled_k;      /* (total_blocks, Hkv, d) F32, contiguous */
-  fpv2_tensor_t pooled_v;      /* (total_blocks, Hkv, d) F32, contiguous */
+  fpv2_tensor_t pooled_k;      /* (total_blocks, Hkv, d) F32 | BF16, contiguous */
+  fpv2_tensor_t pooled_v;      /* (total_blocks, Hkv, d) pooled_k's dtype, contiguous */
   fpv2_tensor_t block_lengths; /* (total_blocks,) I32, contiguous */
   fpv2_tensor_t block_offsets; /* (B+1,) I32, contiguous */
   fpv2_tensor_t todo_offsets;  /* optional, (S+1,) I32, contiguous */

@@ -24,6 +24,8 @@ import torch
 
 from fpv2.kernel import BlockIndex, CorrectionPlan, PagedPrefillBatch
 
+from .fallback_backend import FallbackBackend
+
 #: Name that asks for the best available backend.
 AUTO = "auto"
 
@@ -241,6 +243,36 @@ class HopperBackend:
     """The native Hopper (sm_90a) kernel, loaded through the C ABI of ``fpv2.kernel._native``."""
 
     name = "hopper"
+    #: The kernel marks the kept blocks of each tile itself; it needs no todo bitmasks.
+    derives_todo = True
+    #: Page-size multiple, head dim and block size of the kernel's TMA path.
+    kv_tile = 128
+
+    def serves(
+        self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
+    ) -> str | None:
+        """Host-side check of what the kernel serves (the library refuses the rest with the same reasons).
+
+        Args:
+            q: the queries.
+            k_cache: the paged keys.
+            batch: the batch metadata.
+            index: the block index, or None for dense attention.
+
+        Returns:
+            None when the kernel serves the call, else why not.
+        """
+        if not q.is_cuda:
+            return "the inputs are not on a CUDA device"
+        if q.dtype != torch.bfloat16:
+            return f"the Hopper kernel takes bf16 inputs; got {q.dtype}"
+        if q.shape[-1] != self.kv_tile:
+            return f"the Hopper kernel is built for head dim 128; got {q.shape[-1]}"
+        if batch.page_size % self.kv_tile:
+            return f"the Hopper kernel's TMA path needs page_size % 128 == 0; got page_size={batch.page_size}"
+        if index is not None and index.block_size != self.kv_tile:
+            return f"the Hopper kernel visits 128-token blocks; got index.block_size={index.block_size}"
+        return None
 
     def available(self) -> tuple[bool, str]:
         """Ask the native loader whether the Hopper kernel can run here.
@@ -300,6 +332,40 @@ class HopperBackend:
             softmax_scale=0.0 if softmax_scale is None else float(softmax_scale),  # 0 selects 1/sqrt(d)
         )
 
+    def run_dense(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        *,
+        softmax_scale: float | None,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Dense causal attention with the kernel (no block index).
+
+        Arguments as for :meth:`AttentionBackend.run`, without index and plan.
+
+        Returns:
+            ``(total_q, Hq, d)`` output.
+        """
+        from fpv2.kernel._native import hopper_prefill
+
+        out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
+        return hopper_prefill(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            batch,
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            softmax_scale=0.0 if softmax_scale is None else float(softmax_scale),
+        )
+
 
 # name -> (priority, backend); "auto" tries lower priorities first.
 _REGISTRY: dict[str, tuple[int, AttentionBackend]] = {}
@@ -350,12 +416,27 @@ def available_backends() -> list[str]:
     return [name for name, (ok, _) in backend_status().items() if ok]
 
 
+def _with_fallback(backend: AttentionBackend, name: str) -> AttentionBackend:
+    """For ``auto``: a backend that serves only some calls (``serves``) gets the next available one behind it."""
+    if not callable(getattr(backend, "serves", None)):
+        return backend
+    later = registered_backends()
+    for candidate in later[later.index(name) + 1 :]:
+        fallback = _REGISTRY[candidate][1]
+        if getattr(fallback, "auto_eligible", lambda: True)() and fallback.available()[0]:
+            return FallbackBackend(backend, fallback)
+    return backend
+
+
 def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
     """The backend to use for ``name``.
 
     Args:
-        name: ``"auto"`` (first available in priority order), a registered
-            name, or a backend object (checked for availability).
+        name: ``"auto"`` (first available in priority order; a backend that
+            serves only some calls, like ``hopper``, comes wrapped in a
+            :class:`~fpv2.serving.fallback_backend.FallbackBackend` with the next
+            available one), a registered name, or a backend object (checked for
+            availability).
 
     Returns:
         The backend.
@@ -376,7 +457,7 @@ def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
                     continue
                 ok, why = backend.available()
                 if ok:
-                    return backend
+                    return _with_fallback(backend, candidate)
                 reasons.append(f"{candidate}: {why}")
             raise RuntimeError("no attention backend is available: " + "; ".join(reasons))
         if name not in _REGISTRY:

@@ -138,6 +138,12 @@ def _prepare_inputs(cfg: BenchConfig, device: torch.device) -> _Inputs:
     return _Inputs(wl, q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd})
 
 
+def _kernel_that_ran(backend: object) -> str:
+    """The backend that served the last call (a fallback backend records it), else the backend's name."""
+    choice = getattr(backend, "last_choice", None)
+    return choice[0] if choice else str(getattr(backend, "name", backend))
+
+
 def _measure(
     fn: Callable[[], object], cfg: BenchConfig, device: torch.device, tick: Callable[[], None]
 ) -> tuple[list[float], list[StageTimings], object]:
@@ -262,7 +268,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
         rows.append(
             {
                 **common,
-                "impl": f"fpv2-dense/{backend.name}",
+                "impl": f"fpv2-dense/{_kernel_that_ran(backend)}",
                 "strategy": DENSE_STRATEGY,
                 "alpha": None,
                 "correction": False,
@@ -324,7 +330,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             density = float(result.index.density(batch))
             row = {
                 **common,
-                "impl": f"fpv2-sparse/{backend.name}",
+                "impl": f"fpv2-sparse/{_kernel_that_ran(backend)}",
                 "strategy": cfg.strategy,
                 "alpha": alpha,
                 "correction": correction,

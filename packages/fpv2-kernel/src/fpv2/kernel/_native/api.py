@@ -121,9 +121,14 @@ def hopper_prefill(
 ) -> torch.Tensor:
     """Causal (block-sparse) paged prefill with the Hopper kernel of ``libfpv2_kernel``.
 
-    Tensors must live on the CUDA device of ``q``. This version of the library
-    contains no attention kernel: after validating the arguments it reports
-    ``FPV2_ERROR_NOT_BUILT``, raised here as :class:`HopperKernelNotBuiltError`.
+    Tensors must live on the CUDA device of ``q``; the call is asynchronous on
+    ``stream``. The kernel serves bf16 inputs, head dim 128, page sizes that are
+    multiples of 128, block size 128, on sm_90 devices; anything else is refused
+    with :class:`UnsupportedConfigurationError` and a message naming the argument
+    (nothing is launched). The plan's float32 pooled K/V are handed over as a
+    bf16 copy (the kernel loads them with TMA). A library built without the
+    kernel reports ``FPV2_ERROR_NOT_BUILT``, raised as
+    :class:`HopperKernelNotBuiltError`.
 
     Args:
         q: ``(total_q, Hq, d)`` packed queries (f16, bf16 or float8_e4m3fn).
@@ -163,6 +168,7 @@ def hopper_prefill(
         softmax_scale=softmax_scale,
         stream=stream,
         workspace=workspace,
+        pooled_dtype=torch.bfloat16,
     )
     check_status(lib.fpv2_prefill(ctypes.byref(args)))
     return out

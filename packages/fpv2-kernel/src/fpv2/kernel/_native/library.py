@@ -22,7 +22,7 @@ from .structs import BlockIndexStruct, CorrectionPlanStruct, PagedBatchStruct, P
 #: ABI major version this binding speaks; the library's must be equal.
 ABI_VERSION_MAJOR = 1
 #: ABI minor version this binding needs at least (minor versions only append).
-ABI_VERSION_MINOR = 0
+ABI_VERSION_MINOR = 1
 #: Environment variable naming the library file to load instead of the packaged one.
 LIBRARY_ENV = "FPV2_KERNEL_LIBRARY"
 #: File name of the library.

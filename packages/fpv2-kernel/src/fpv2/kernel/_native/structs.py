@@ -247,14 +247,17 @@ def block_index_struct(index: BlockIndex) -> BlockIndexStruct:
     return struct
 
 
-def correction_plan_struct(plan: CorrectionPlan) -> CorrectionPlanStruct:
+def correction_plan_struct(plan: CorrectionPlan, *, pooled_dtype: torch.dtype | None = None) -> CorrectionPlanStruct:
     """Build ``fpv2_correction_plan_t`` from a correction plan and its block statistics.
 
     Args:
         plan: the plan (its ``statistics`` supply the pooled tensors and block size).
+        pooled_dtype: hand the pooled K/V over in this dtype (``torch.bfloat16`` for the
+            Hopper kernel, which loads them with TMA); None passes them as they are
+            (float32). A converted copy is made on the tensors' stream and kept alive.
 
     Returns:
-        The struct, keeping ``plan`` alive.
+        The struct, keeping ``plan`` (and any converted copy) alive.
 
     Raises:
         TypeError: ``plan`` is not a :class:`CorrectionPlan`.
@@ -262,18 +265,22 @@ def correction_plan_struct(plan: CorrectionPlan) -> CorrectionPlanStruct:
     if not isinstance(plan, CorrectionPlan):
         raise TypeError(f"plan must be a CorrectionPlan, got {type(plan).__name__}")
     stats = plan.statistics
+    pooled_k, pooled_v = stats.pooled_k, stats.pooled_v
+    if pooled_dtype is not None:
+        pooled_k = pooled_k.to(pooled_dtype)
+        pooled_v = pooled_v.to(pooled_dtype) if pooled_v is not None else None
     struct = CorrectionPlanStruct(
         struct_size=ctypes.sizeof(CorrectionPlanStruct),
         chunk_size=_int32("plan.chunk_size", plan.chunk_size),
         block_size=_int32("plan.statistics.block_size", stats.block_size),
-        pooled_k=tensor_desc(stats.pooled_k, "plan.statistics.pooled_k"),
-        pooled_v=tensor_desc(stats.pooled_v, "plan.statistics.pooled_v"),
+        pooled_k=tensor_desc(pooled_k, "plan.statistics.pooled_k"),
+        pooled_v=tensor_desc(pooled_v, "plan.statistics.pooled_v"),
         block_lengths=tensor_desc(stats.block_lengths, "plan.statistics.block_lengths"),
         block_offsets=tensor_desc(stats.block_offsets, "plan.statistics.block_offsets"),
         todo_offsets=tensor_desc(plan.todo_offsets, "plan.todo_offsets"),
         todo_masks=tensor_desc(plan.todo_masks, "plan.todo_masks"),
     )
-    _keep_alive(struct, [plan])
+    _keep_alive(struct, [plan, pooled_k, pooled_v])
     return struct
 
 
@@ -307,6 +314,7 @@ def prefill_args_struct(
     softmax_scale: float = 0.0,
     stream: object = None,
     workspace: torch.Tensor | None = None,
+    pooled_dtype: torch.dtype | None = None,
 ) -> PrefillArgsStruct:
     """Build ``fpv2_prefill_args_t`` for one causal prefill call (no validation: the library does it).
 
@@ -322,6 +330,8 @@ def prefill_args_struct(
         softmax_scale: score scale; 0 selects ``1/sqrt(d)``.
         stream: a ``torch.cuda.Stream``, a raw handle, or None for q's current stream.
         workspace: optional device scratch tensor handed to the kernel.
+        pooled_dtype: dtype in which the plan's pooled K/V are handed over (see
+            :func:`correction_plan_struct`); None keeps float32.
 
     Returns:
         The struct with the causal flag set, keeping every tensor and nested struct alive.
@@ -336,7 +346,7 @@ def prefill_args_struct(
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     batch_struct = paged_batch_struct(batch)
     index_struct = block_index_struct(index) if index is not None else None
-    plan_struct = correction_plan_struct(plan) if plan is not None else None
+    plan_struct = correction_plan_struct(plan, pooled_dtype=pooled_dtype) if plan is not None else None
     args = PrefillArgsStruct(
         struct_size=ctypes.sizeof(PrefillArgsStruct),
         flags=PREFILL_CAUSAL,

@@ -1,0 +1,103 @@
+"""The native Hopper kernel through the Python binding, against the fp64 reference on the same CSR.
+
+``hopper`` tests need an sm_90 GPU and a library built with the kernel; they run
+on the device (``scripts/device_check.sh``). The kernel's own native grid (every
+output poisoned, stray writes counted, compute-sanitizer) is
+``tests/native/hopper_dense_test.cu``; this file checks the binding end to end:
+struct building, the bf16 hand-over of the pooled statistics, streams, refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fpv2.kernel import CorrectionPlan
+from fpv2.kernel import _native as native
+from fpv2.kernel.reference import dense_attention, pool_blocks, sparse_attention
+
+SEQLENS_Q = [1000, 0, 513, 77]
+SEQLENS_K = [1000, 300, 1800, 1290]
+
+
+def _keep_some(seed: int, probability: float):
+    generator = torch.Generator().manual_seed(seed)
+
+    def keep(segment):
+        draws = torch.rand(len(segment.kept), generator=generator).tolist()
+        band = set(segment.diagonal_band)  # always kept, as the index stage forces it
+        return sorted(b for b, d in zip(segment.kept, draws) if d < probability or b in band)
+
+    return keep
+
+
+def _require_kernel() -> None:
+    available, reason = native.hopper_available()
+    if not available:
+        pytest.skip(reason)
+
+
+def _poisoned(case) -> torch.Tensor:
+    return torch.full_like(case.q, float("nan"))
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, same: torch.Tensor) -> None:
+    assert torch.isfinite(got).all(), "rows left unwritten (NaN poison) or non-finite output"
+    err = (got.double() - want).abs().max().item()
+    ref_err = (same.double() - want).abs().max().item()
+    # bf16 P in the PV product (and bf16 pooled statistics) on top of FlashAttention-3's rule
+    assert err <= 2 * ref_err + 1e-2, f"kernel error {err:.3g} vs bf16-rounded PyTorch {ref_err:.3g}"
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("correction", [False, True])
+@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_sparse_with_and_without_correction(paged_case, hand_index, group, page_size, correction):
+    _require_kernel()
+    case = paged_case(
+        SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=128, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", seed=group * page_size + correction,
+    )  # fmt: skip
+    index, _ = hand_index(
+        case.batch, num_kv_heads=2, group=group, tile_size=128, block_size=128, keep=_keep_some(group, 0.3)
+    )
+    plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch)) if correction else None
+    lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
+    got = native.hopper_prefill(
+        case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, index=index, plan=plan, lse=lse
+    )
+    want, want_lse = sparse_attention(
+        case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, compute_dtype=torch.float64, return_lse=True
+    )
+    same = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan).to(torch.bfloat16)
+    _check(got, want, same)
+    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=5e-3 if correction else 1e-3)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("group", [1, 8])
+def test_dense_on_a_side_stream(paged_case, group):
+    _require_kernel()
+    case = paged_case(
+        SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=128, page_size=128,
+        dtype=torch.bfloat16, device="cuda", seed=7 + group,
+    )  # fmt: skip
+    stream = torch.cuda.Stream()
+    out = _poisoned(case)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, out, case.batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    want = dense_attention(case.q, case.k_cache, case.v_cache, case.batch, compute_dtype=torch.float64)
+    same = dense_attention(case.q, case.k_cache, case.v_cache, case.batch).to(torch.bfloat16)
+    _check(out, want, same)
+
+
+@pytest.mark.hopper
+def test_configurations_it_cannot_serve_are_refused(paged_case):
+    _require_kernel()
+    case = paged_case([64], [64], num_q_heads=4, num_kv_heads=2, head_dim=128, page_size=16,
+                      dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    with pytest.raises(native.UnsupportedConfigurationError, match="page_size"):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, torch.empty_like(case.q), case.batch)

@@ -1,0 +1,104 @@
+"""A backend that runs a specialised kernel where it serves the call and a portable one elsewhere.
+
+``resolve_backend("auto")`` on an sm_90 GPU returns ``FallbackBackend(hopper,
+triton)``: the Hopper kernel serves bf16, head dim 128, page sizes that are
+multiples of 128 and 128-token blocks; every other call (page size 1 or 16,
+FP8, other head dims) runs on the Triton kernel. The choice is a host-side
+check of shapes and dtypes, made per call, and recorded in ``last_choice`` so
+that benchmarks report which kernel ran. A backend named explicitly is never
+wrapped: ``backend="hopper"`` refuses what it cannot serve.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from fpv2.kernel import BlockIndex, CorrectionPlan, PagedPrefillBatch
+
+
+class ServesCheck(Protocol):
+    """A backend that can say, before running, whether it serves a call."""
+
+    name: str
+
+    def serves(
+        self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
+    ) -> str | None:
+        """None when the backend serves the call, else the reason it does not."""
+        ...
+
+
+class FallbackBackend:
+    """``primary`` where :meth:`ServesCheck.serves` accepts the call, ``fallback`` elsewhere.
+
+    Args:
+        primary: the specialised backend (it must provide ``serves``).
+        fallback: the backend for every other call.
+    """
+
+    def __init__(self, primary: ServesCheck, fallback: object) -> None:
+        self.primary = primary
+        self.fallback = fallback
+        self.name = primary.name
+        #: Both derive the todo bitmasks themselves, or the pipeline materialises them.
+        self.derives_todo = bool(getattr(primary, "derives_todo", False) and getattr(fallback, "derives_todo", False))
+        #: ``(backend name, reason or None)`` of the most recent call.
+        self.last_choice: tuple[str, str | None] | None = None
+
+    def __repr__(self) -> str:
+        return f"FallbackBackend(primary={self.primary.name!r}, fallback={self.fallback.name!r})"
+
+    def available(self) -> tuple[bool, str]:
+        """Available when the primary is (the fallback is only used per call).
+
+        Returns:
+            ``(ok, reason)`` of the primary, with the fallback named.
+        """
+        ok, why = self.primary.available()
+        return ok, f"{why}; calls it does not serve run on {self.fallback.name}"
+
+    def _choose(self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None):
+        reason = self.primary.serves(q, k_cache, batch, index)
+        chosen = self.primary if reason is None else self.fallback
+        self.last_choice = (chosen.name, reason)
+        return chosen
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        index: BlockIndex,
+        plan: CorrectionPlan | None,
+        **kwargs: torch.Tensor | float | None,
+    ) -> torch.Tensor:
+        """Run the call on the primary if it serves it, else on the fallback.
+
+        Arguments as for :meth:`fpv2.serving.backends.AttentionBackend.run`.
+
+        Returns:
+            ``(total_q, Hq, d)`` output.
+        """
+        backend = self._choose(q, k_cache, batch, index)
+        return backend.run(q, k_cache, v_cache, batch, index, plan, **kwargs)
+
+    def run_dense(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        **kwargs: torch.Tensor | float | None,
+    ) -> torch.Tensor:
+        """Dense causal attention on whichever backend serves it (both offer ``run_dense``).
+
+        Arguments as for :meth:`fpv2.serving.backends.AttentionBackend.run`, without index and plan.
+
+        Returns:
+            ``(total_q, Hq, d)`` output.
+        """
+        backend = self._choose(q, k_cache, batch, None)
+        return backend.run_dense(q, k_cache, v_cache, batch, **kwargs)

@@ -1,0 +1,93 @@
+"""``auto`` on a Hopper GPU: the Hopper kernel where it serves the call, the next backend elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fpv2.kernel import PagedPrefillBatch
+from fpv2.serving import backends as registry
+from fpv2.serving.fallback_backend import FallbackBackend
+
+
+class Recording:
+    """A backend that records its calls; ``serves`` accepts page sizes that are multiples of ``page``."""
+
+    derives_todo = True
+
+    def __init__(self, name: str, page: int | None = None) -> None:
+        self.name, self.page, self.calls = name, page, []
+
+    def available(self) -> tuple[bool, str]:
+        return True, f"{self.name} here"
+
+    def auto_eligible(self) -> bool:
+        return True
+
+    def serves(self, q, k_cache, batch, index):
+        return None if batch.page_size % self.page == 0 else f"page_size={batch.page_size}"
+
+    def run(self, q, k_cache, v_cache, batch, index, plan, **kwargs):
+        self.calls.append(("run", batch.page_size, index))
+        return torch.full_like(q, float(len(self.name)))
+
+    def run_dense(self, q, k_cache, v_cache, batch, **kwargs):
+        self.calls.append(("run_dense", batch.page_size))
+        return torch.full_like(q, -float(len(self.name)))
+
+
+def _batch(page_size: int) -> PagedPrefillBatch:
+    return PagedPrefillBatch.contiguous([4], [4], page_size=page_size)
+
+
+def test_each_call_goes_to_the_backend_that_serves_it():
+    primary, fallback = Recording("hopper", page=128), Recording("triton")
+    backend = FallbackBackend(primary, fallback)
+    q = torch.zeros(4, 2, 8)
+    out = backend.run(q, None, None, _batch(128), "index", None, softmax_scale=None)
+    assert backend.last_choice == ("hopper", None) and out[0, 0, 0].item() == len("hopper")
+    out = backend.run(q, None, None, _batch(1), "index", None, softmax_scale=None)
+    assert backend.last_choice == ("triton", "page_size=1") and out[0, 0, 0].item() == len("triton")
+    out = backend.run_dense(q, None, None, _batch(16), softmax_scale=None)
+    assert backend.last_choice == ("triton", "page_size=16") and out[0, 0, 0].item() == -len("triton")
+    assert primary.calls == [("run", 128, "index")]
+    assert fallback.calls == [("run", 1, "index"), ("run_dense", 16)]
+    assert backend.name == "hopper" and backend.derives_todo is True
+    assert "triton" in backend.available()[1]
+
+
+def test_auto_wraps_a_partial_backend_but_a_named_one_is_used_as_is(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    primary, fallback = Recording("hopper", page=128), Recording("triton")
+    registry.register_backend(primary, priority=0)
+    registry.register_backend(fallback, priority=50)
+    auto = registry.resolve_backend("auto")
+    assert isinstance(auto, FallbackBackend) and auto.primary is primary and auto.fallback is fallback
+    assert registry.resolve_backend("hopper") is primary
+
+
+def test_hopper_backend_states_what_it_does_not_serve():
+    hopper = registry.HopperBackend()
+    q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    assert "CUDA" in hopper.serves(q, None, _batch(128), None)
+    if torch.cuda.is_available():
+        cuda_q = q.cuda()
+        assert hopper.serves(cuda_q, None, _batch(128), None) is None
+        assert "page_size" in hopper.serves(cuda_q, None, _batch(16), None)
+        assert "head dim" in hopper.serves(cuda_q[..., :64], None, _batch(128), None)
+        assert "bf16" in hopper.serves(cuda_q.half(), None, _batch(128), None)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fallback_backend_matches_the_fallback_alone_on_pages_it_does_not_serve(page_size):
+    # Through the real pipeline: the reference stands in for the portable backend.
+    from fpv2.kernel.testing import planted_workload
+    from fpv2.serving import SparsePrefillPipeline
+
+    wl = planted_workload([256], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size, dtype=torch.float32)
+    reference = registry.resolve_backend("reference")
+    wrapped = FallbackBackend(Recording("hopper", page=128), reference)
+    got = SparsePrefillPipeline(backend=wrapped)(wl.q, wl.k_cache, wl.v_cache, wl.batch).out
+    want = SparsePrefillPipeline(backend=reference)(wl.q, wl.k_cache, wl.v_cache, wl.batch).out
+    assert wrapped.last_choice == ("reference", f"page_size={page_size}")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
