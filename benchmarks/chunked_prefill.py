@@ -86,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-error", action="store_true", help="skip the fp32 dense reference and the error column")
+    p.add_argument(
+        "--no-chunked-dense",
+        action="store_true",
+        help="skip the dense rows of the chunked runs (their 'speedup vs dense (same chunking)' column)",
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown results")
     args = p.parse_args(argv)
     for name in ("seqlen", "q_heads", "kv_heads", "head_dim", "page_size", "repeats"):
@@ -309,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     plan: list[tuple[int | None, str, object]] = [(None, "dense", dense), (None, "sparse-unchunked", plain)]
     for chunk in args.chunks:
-        plan += [(chunk, "dense", dense), (chunk, "sparse-naive", naive), (chunk, "sparse-aware", aware)]
+        if not args.no_chunked_dense:
+            plan.append((chunk, "dense", dense))
+        plan += [(chunk, "sparse-naive", naive), (chunk, "sparse-aware", aware)]
     rows: list[dict[str, object]] = []
     for chunk, impl, pipe in plan:
         log(f"timing {impl} at chunk {chunk or 'none'}")

@@ -13,7 +13,8 @@
 #
 # Environment: OUT [fpv2-results/serving], PYTHON [python3], FPV2_BUDGET_S [280],
 # FPV2_SOAK_CALLS [10000], FPV2_LIMIT_TESTS / _ROUTING / _CHUNKED step limits in seconds
-# [120 / 55 / 95; the soak takes what is left], FPV2_COMMIT (recorded in the JSON; the device
+# [120 / 55 / 95; the soak takes what is left], FPV2_CHUNKED_ARGS (extra chunked_prefill.py
+# options), FPV2_TEST_PATHS / FPV2_TEST_TIMEOUT (test files, per-test limit), FPV2_COMMIT (recorded in the JSON; the device
 # copy has no git).
 
 set -u -o pipefail
@@ -61,7 +62,7 @@ for step in "${STEPS[@]}"; do
         ;;
     chunked)
         run_step chunked "${FPV2_LIMIT_CHUNKED:-95}" "$PYTHON" benchmarks/chunked_prefill.py --out "$OUT/chunked" --seqlen 131072 \
-            --chunks 8192 16384 --no-error --repeats 10 --warmup 2
+            --chunks 8192 16384 --no-error --repeats 10 --warmup 2 ${FPV2_CHUNKED_ARGS:-}
         ;;
     soak)
         # Leave time for the summary, the plot and packing: the soak stops drawing calls on its own.
@@ -71,8 +72,10 @@ for step in "${STEPS[@]}"; do
         ;;
     tests)
         mkdir -p "$OUT/tests"
-        run_step tests "${FPV2_LIMIT_TESTS:-120}" "$PYTHON" -m pytest packages/fpv2-serving/tests -m gpu -q -rs \
-            -p no:cacheprovider --timeout 90 --junitxml="$OUT/tests/junit-gpu-serving.xml"
+        # shellcheck disable=SC2086 # FPV2_TEST_PATHS: space-separated test files (default: the whole package)
+        run_step tests "${FPV2_LIMIT_TESTS:-120}" "$PYTHON" -m pytest ${FPV2_TEST_PATHS:-packages/fpv2-serving/tests} \
+            -m gpu -q -rs -p no:cacheprovider --timeout "${FPV2_TEST_TIMEOUT:-90}" \
+            --junitxml="$OUT/tests/junit-gpu-serving.xml"
         ;;
     *) STATUS+=("$step: unknown step") ;;
     esac

@@ -20,6 +20,7 @@ from fpv2.kernel.testing import planted_workload
 from fpv2.serving.soak import (
     MAX_SYNCS_PER_CALL,
     SYNC_WARNING,
+    CallRecord,
     SoakCall,
     SoakConfig,
     SoakError,
@@ -27,6 +28,7 @@ from fpv2.serving.soak import (
     WorkspaceProbe,
     draw_compositions,
     run_soak,
+    summarise,
     workspace_bound,
     workspace_formula,
     write_soak_plot,
@@ -99,6 +101,31 @@ def test_workspace_formula_by_hand_and_probe_records_reserves():
         ws.reserve(num_programs=8, max_blocks=5, num_segments=80, device=torch.device("cpu"))
         assert probe.take()[0] == 13696  # the buffers never shrink: nbytes is the capacity held
     assert IndexWorkspace.reserve.__name__ == "reserve" and "probe" not in IndexWorkspace.reserve.__qualname__
+
+
+def test_workspace_verdict_allows_reused_capacity_but_not_a_wrong_shape():
+    cfg = SoakConfig.for_cpu(calls=3, steady_fraction=1.0)
+    bound, bound_shape = workspace_bound(cfg, torch.device("cpu"))
+    small, small_shape = workspace_formula(
+        [100], [100], kv_heads=cfg.kv_heads, group=2, config=cfg.selection(), device=torch.device("cpu")
+    )
+
+    def record(i: int, held: int, shape: tuple[int, int, int]) -> CallRecord:
+        return CallRecord(
+            i, 1, 1, 100, 100, 0, 0, 1.0, rss=1 << 20, workspace_bytes=held, workspace_expected=small,
+            workspace_shape=shape, expected_shape=small_shape,
+        )  # fmt: skip
+
+    # The worst case first, then small calls on the same (reused) workspace: held > needed is fine.
+    reused = [record(0, bound, small_shape), record(1, bound, small_shape), record(2, small, small_shape)]
+    workspace = summarise(reused, cfg, torch.device("cpu"))["workspace"]
+    assert workspace["formula_mismatches"] == 0 and workspace["within_bound"]
+    assert workspace["held_equals_call_formula"] == 1
+    wrong_shape = (small_shape[0], small_shape[1] + 1, small_shape[2])
+    for bad in (record(1, bound, wrong_shape), record(1, small - 4, small_shape), record(1, bound + 4, small_shape)):
+        workspace = summarise([reused[0], bad, reused[2]], cfg, torch.device("cpu"))["workspace"]
+        assert workspace["formula_mismatches"] == 1 or not workspace["within_bound"]
+    assert bound_shape[2] > small_shape[2]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 for the Triton index")

@@ -917,8 +917,9 @@ def summarise(
     """The verdicts of a soak over its steady window (the last ``cfg.steady_fraction`` of the calls).
 
     Memory is flat when its level (median of the window's last quarter against its first
-    quarter) grows by at most its bound; the workspace is bounded when every call's bytes equal the formula for
-    its lengths and none exceeds the formula at the largest composition; syncs are judged
+    quarter) grows by at most its bound; the workspace is bounded when every call reserves the formula's shape
+    for its lengths, holds at least the formula's bytes for it (a reused workspace keeps the largest call's
+    capacity) and none holds more than the formula at the largest composition; syncs are judged
     against ``cfg.max_syncs_per_call``.
 
     Args:
@@ -963,7 +964,17 @@ def summarise(
 
     bound, bound_shape = workspace_bound(cfg, device)
     measured = [r for r in records if r.workspace_bytes is not None]
-    mismatches = [r for r in measured if r.workspace_expected is not None and r.workspace_bytes != r.workspace_expected]
+    # A reused workspace holds the capacity of the largest call so far: per call, the reserve must ask
+    # for exactly the formula's shape, and what is held must cover the formula's bytes.
+    mismatches = [
+        r
+        for r in measured
+        if r.workspace_expected is not None
+        and (
+            tuple(r.workspace_shape or ()) != tuple(r.expected_shape or ())
+            or (r.workspace_bytes or 0) < r.workspace_expected
+        )
+    ]
     largest = max((r.workspace_bytes or 0 for r in measured), default=None)
     workspace: dict[str, object] = {
         "measured_calls": len(measured),
@@ -971,6 +982,10 @@ def summarise(
         "bound_bytes": bound,
         "bound_shape_P_Nb_S": list(bound_shape),
         "formula": "4 * (P * Nb + S * ceil(Nb / 64) * 2 + S), P = min(S, programs cap), S = Hkv * tiles",
+        "rule": "per call the reserve asks for the formula's (P, Nb, S) and the bytes held (a workspace reused "
+        "across calls keeps the capacity of the largest) cover the formula's bytes; no call holds more than the "
+        "formula at the largest composition",
+        "held_equals_call_formula": sum(1 for r in measured if r.workspace_bytes == r.workspace_expected),
         "formula_mismatches": len(mismatches),
         "first_mismatch": dataclasses.asdict(mismatches[0]) if mismatches else None,
         "within_bound": largest is None or largest <= bound,
