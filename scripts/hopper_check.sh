@@ -159,7 +159,7 @@ sanitize() {
 }
 
 main() {
-    echo "fpv2 Hopper dense prefill check, $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET}s, seed $SEED"
+    echo "fpv2 Hopper prefill check, $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET}s, seed $SEED"
     git -C "$ROOT" rev-parse HEAD 2>/dev/null || cat "$ROOT/.carry/COMMIT" 2>/dev/null || true
     nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
     nvcc --version | tail -1

@@ -1,5 +1,6 @@
-// The sm_90a dense causal prefill kernel: warp roles, register reallocation and the shared-memory
-// pipeline set-up around the producer (kv_producer.hpp) and the consumers (consumer_mainloop.hpp).
+// The sm_90a causal prefill kernel (dense, block-sparse over a CSR index, with the mean correction): warp
+// roles, register reallocation and the shared-memory pipeline set-up around the producer (kv_producer.hpp)
+// and the consumers (consumer_mainloop.hpp); both walk the tile's BlockSchedule (block_schedule.hpp).
 //
 // Grid: one CTA per (query tile of the longest request, KV head, request), 1-D; block: 384 threads (producer
 // warpgroup + two consumer warpgroups); one CTA per SM (~162 KB of shared memory). Slots past a request's
@@ -7,7 +8,7 @@
 //
 // Not yet here (next steps of issue 5): a persistent scheduler ordered by work (heaviest first), split-KV,
 // pingpong of the two consumer warpgroups, the cp.async gather for page sizes that are not a multiple of
-// 128, the block-sparse CSR traversal and the mean correction.
+// 128, head dims 64 and 256, FP8.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +29,7 @@
 
 // wgmma and setmaxnreg exist only for the architecture-specific target sm_90a.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "fpv2: the Hopper dense prefill kernel needs -gencode=arch=compute_90a,code=sm_90a"
+#error "fpv2: the Hopper prefill kernel needs -gencode=arch=compute_90a,code=sm_90a"
 #endif
 
 namespace fpv2::hopper {

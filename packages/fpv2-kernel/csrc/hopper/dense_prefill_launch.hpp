@@ -37,7 +37,7 @@ inline int32_t check_tensor_map_entry_point() {
   if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
     return fpv2::detail::fail(
         FPV2_ERROR_CUDA,
-        fpv2::detail::format("fpv2 Hopper dense prefill: the CUDA driver does not provide cuTensorMapEncodeTiled "
+        fpv2::detail::format("fpv2 Hopper prefill: the CUDA driver does not provide cuTensorMapEncodeTiled "
                              "(needed for the TMA loads of the KV cache): %s",
                              cudaGetErrorString(err)));
   }
@@ -55,7 +55,7 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
 
   if (plan.head_dim != kHeadDim) {
     return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
-                              fpv2::detail::format("fpv2 Hopper dense prefill: plan for d=%d sent to the d=%d "
+                              fpv2::detail::format("fpv2 Hopper prefill: plan for d=%d sent to the d=%d "
                                                    "instantiation",
                                                    plan.head_dim, kHeadDim));
   }
@@ -126,14 +126,14 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) {
     return fpv2::detail::fail(FPV2_ERROR_CUDA,
-                              fpv2::detail::format("fpv2 Hopper dense prefill: cudaFuncSetAttribute(max dynamic "
+                              fpv2::detail::format("fpv2 Hopper prefill: cudaFuncSetAttribute(max dynamic "
                                                    "shared memory = %d bytes) failed: %s",
                                                    smem_bytes, cudaGetErrorString(err)));
   }
   const int64_t num_ctas = num_m_blocks * plan.num_kv_heads * plan.num_requests;
   if (num_ctas > std::numeric_limits<int32_t>::max()) {
     return fpv2::detail::fail(FPV2_ERROR_UNSUPPORTED,
-                              fpv2::detail::format("fpv2 Hopper dense prefill: %lld query tiles x %d KV heads x %d "
+                              fpv2::detail::format("fpv2 Hopper prefill: %lld query tiles x %d KV heads x %d "
                                                    "requests exceed the 1-D grid (2^31 - 1 CTAs)",
                                                    static_cast<long long>(num_m_blocks), plan.num_kv_heads,
                                                    plan.num_requests));
@@ -143,7 +143,7 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess) {
     return fpv2::detail::fail(FPV2_ERROR_CUDA,
-                              fpv2::detail::format("fpv2 Hopper dense prefill: launch of %u CTAs x %d threads with "
+                              fpv2::detail::format("fpv2 Hopper prefill: launch of %u CTAs x %d threads with "
                                                    "%d bytes of shared memory failed: %s",
                                                    grid.x, Traits::kNumThreads, smem_bytes, cudaGetErrorString(err)));
   }

@@ -1,4 +1,4 @@
-// Host launcher of the Hopper dense prefill kernel: refuses, with a message, every configuration the
+// Host launcher of the Hopper prefill kernel: refuses, with a message, every configuration the
 // compiled instantiations cannot serve, turns the ABI arguments into a DensePrefillPlan and dispatches
 // on the head dim. Host code only: the kernel and CuTe live in the instantiation files.
 #include "hopper/launch_dense_prefill.hpp"
@@ -42,7 +42,7 @@ class DeviceGuard {
     int current = 0;
     cudaError_t err = cudaGetDevice(&current);
     if (err != cudaSuccess) {
-      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper dense prefill: cudaGetDevice failed: %s",
+      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cudaGetDevice failed: %s",
                                           cudaGetErrorString(err)));
     }
     if (device >= 0 && device != current) {
@@ -74,7 +74,7 @@ int32_t check_cache_view(const fpv2_tensor_t& cache, const char* name, int64_t p
   if (cache.strides[2] != head_dim || cache.strides[0] != page_size * token_stride ||
       token_stride < num_kv_heads * head_dim) {
     return fail(FPV2_ERROR_UNSUPPORTED,
-                format("%s: the Hopper dense kernel reads the cache as one (num_pages * page_size, Hkv * d) "
+                format("%s: the Hopper kernel reads the cache as one (num_pages * page_size, Hkv * d) "
                        "row-major matrix, which needs head stride d=%lld, token stride >= Hkv * d = %lld and page "
                        "stride = page_size * token stride = %lld; got %s",
                        name, ll(head_dim), ll(num_kv_heads * head_dim), ll(page_size * token_stride),
@@ -133,12 +133,12 @@ int32_t check_device(int device) {
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err != cudaSuccess) {
-    return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper dense prefill: cannot query device %d: %s", device,
+    return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cannot query device %d: %s", device,
                                         cudaGetErrorString(err)));
   }
   if (major != 9 || minor != 0) {
     return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2 Hopper dense prefill: device %d has compute capability %d.%d; the kernel is built for "
+                format("fpv2 Hopper prefill: device %d has compute capability %d.%d; the kernel is built for "
                        "sm_90a (H100/H200) only; use the portable (Triton) backend elsewhere",
                        device, major, minor));
   }
@@ -164,20 +164,20 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
   const fpv2_tensor_t& q = args.q;
   if (q.dtype != FPV2_DTYPE_BF16) {
     return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2_prefill_args_t.q: the Hopper dense kernel of this build takes bf16 only (f16 and "
+                format("fpv2_prefill_args_t.q: the Hopper kernel of this build takes bf16 only (f16 and "
                        "float8_e4m3fn come later); got dtype %s (%s)",
                        dtype_name(q.dtype).c_str(), describe(q).c_str()));
   }
   const int64_t head_dim = q.shape[2];
   if (!dense_prefill_head_dim_built(static_cast<int>(head_dim))) {
     return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2_prefill_args_t.q: head dim d=%lld has no compiled Hopper dense instantiation in this "
+                format("fpv2_prefill_args_t.q: head dim d=%lld has no compiled Hopper instantiation in this "
                        "build (built: d=128); got %s",
                        ll(head_dim), describe(q).c_str()));
   }
   if (batch.page_size % kKvTile != 0) {
     return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2_paged_batch_t.page_size=%d: the Hopper dense kernel loads 128-token K/V tiles with TMA "
+                format("fpv2_paged_batch_t.page_size=%d: the Hopper kernel loads 128-token K/V tiles with TMA "
                        "and needs page_size %% 128 == 0 (the cp.async gather for small pages is a later step)",
                        batch.page_size));
   }
@@ -203,7 +203,7 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
   }
   if (int64_t(batch.max_seqlen_q) * group >= std::numeric_limits<int32_t>::max() - 128) {
     return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2 Hopper dense prefill: max_seqlen_q * (Hq / Hkv) = %lld packed rows exceed the kernel's "
+                format("fpv2 Hopper prefill: max_seqlen_q * (Hq / Hkv) = %lld packed rows exceed the kernel's "
                        "32-bit row index",
                        ll(int64_t(batch.max_seqlen_q) * group)));
   }
@@ -261,7 +261,7 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
     case 128:
       return run_dense_prefill<128>(plan, stream);
     default:
-      return fail(FPV2_ERROR_INTERNAL, format("fpv2 Hopper dense prefill: no dispatch for d=%d", plan.head_dim));
+      return fail(FPV2_ERROR_INTERNAL, format("fpv2 Hopper prefill: no dispatch for d=%d", plan.head_dim));
   }
 }
 

@@ -474,7 +474,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::printf("fpv2 Hopper dense prefill test, mode %s, seed %llu\n", mode.c_str(),
+  std::printf("fpv2 Hopper prefill test, mode %s, seed %llu\n", mode.c_str(),
               static_cast<unsigned long long>(g_seed_offset));
   int failures = 0;
   if (mode == "refusals" || mode == "correctness") failures += run_refusals();

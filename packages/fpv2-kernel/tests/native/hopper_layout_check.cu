@@ -193,7 +193,7 @@ void check_geometry() {
 }  // namespace
 
 int main() {
-  std::printf("fpv2 Hopper dense prefill: host layout and geometry checks (d=%d, tile %dx%d)\n", Traits::kHeadDim,
+  std::printf("fpv2 Hopper prefill: host layout and geometry checks (d=%d, tile %dx%d)\n", Traits::kHeadDim,
               Traits::kBlockM, Traits::kBlockN);
   struct Check {
     const char* name;
