@@ -370,6 +370,29 @@ def test_switch_point_script_dry_run_writes_a_loadable_table(tmp_path, capsys):
     assert "switch point" in capsys.readouterr().out
 
 
+# ------------------------------------------------------------------- shipped measurement
+def test_shipped_h200_table_is_used_on_that_gpu_only(monkeypatch):
+    from fpv2.serving import routing_measured
+    from fpv2.serving.routing import MEASURED, DensityRouter, RoutingKey, RoutingTable
+
+    table = RoutingTable.from_dict(routing_measured.H200_TABLE)
+    key = RoutingKey(32, 8, 128, "bf16", 1, 0.1)
+    curve = table.curve(key)
+    assert curve is not None and 10_000 < curve.switch_kv_len() < 10_200  # measured: 10,069
+    assert not curve.prefers_sparse(8192) and curve.prefers_sparse(16384)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    router = DensityRouter()  # the default table is MEASURED
+    assert router.curve_for(key) is not None and router.curve_for(RoutingKey(32, 8, 128, "bf16", 16, 0.1)) is None
+    assert router.prefers_sparse(8192, key) is False  # the default rule would say sparse here
+    assert router.prefers_sparse(8192, RoutingKey(32, 8, 128, "bf16", 16, 0.1)) is True  # unmeasured key: the rule
+    assert router.prefers_sparse(12288, key) is True
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert routing_measured.measured_table() is None and DensityRouter(MEASURED).table is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert routing_measured.measured_table() is None
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

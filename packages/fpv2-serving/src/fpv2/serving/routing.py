@@ -17,7 +17,10 @@ and stored in a :class:`RoutingTable`:
 
 :class:`DensityRouter` decides per request from its KV length (``seqlens_k``,
 cached prefix included: the quantity both costs and the density grow with).
-Without a table, or without a curve for the inputs' key, it falls back to the
+By default it uses the table measured on the current GPU model and shipped in
+:mod:`.routing_measured` (today: the H200, Hq=32/Hkv=8/d=128 bf16, page size 1,
+``alpha = 0.1``: sparse from about 10K KV tokens on). Without a table, or
+without a curve for the inputs' key, it falls back to the
 documented conservative rule :func:`default_prefers_sparse`: sparse only from
 ``SelectionConfig.min_sparse_kv_len`` on, where the sparse pipeline would stop
 keeping everything anyway, so it is never routed to sparse below that length.
@@ -76,6 +79,18 @@ ALPHA_DIGITS = 6
 DENSE_MODES = ("auto", "kernel", "strategy")
 
 DenseRunner = Callable[..., torch.Tensor]
+
+
+class _Measured:
+    """Type of :data:`MEASURED`."""
+
+    def __repr__(self) -> str:
+        return "MEASURED"
+
+
+#: ``table`` value (the default) asking for the routing table shipped for the current GPU
+#: (:func:`fpv2.serving.routing_measured.measured_table`); none there means the default rule.
+MEASURED = _Measured()
 
 
 # ---------------------------------------------------------------------------- the table
@@ -575,7 +590,9 @@ class DensityRouter:
     """Decides per request between the dense path and the sparse pipeline.
 
     Args:
-        table: a :class:`RoutingTable`, a path to its JSON file, or None (the default rule only).
+        table: a :class:`RoutingTable`, a path to its JSON file, :data:`MEASURED` (the default:
+            the table measured on this GPU model and shipped with the package, if there is one)
+            or None (the default rule only).
         config: the selection parameters of the sparse path (None: defaults); the default rule
             reads its ``min_sparse_kv_len``.
         min_speedup: with a curve, route to sparse only where it is expected to be faster
@@ -590,12 +607,16 @@ class DensityRouter:
 
     def __init__(
         self,
-        table: RoutingTable | str | os.PathLike[str] | None = None,
+        table: RoutingTable | str | os.PathLike[str] | _Measured | None = MEASURED,
         *,
         config: SelectionConfig | None = None,
         min_speedup: float = 1.0,
         floor_kv_len: int | None = None,
     ) -> None:
+        if isinstance(table, _Measured):
+            from .routing_measured import measured_table  # the shipped measurements import this module
+
+            table = measured_table()
         if isinstance(table, (str, os.PathLike)):
             table = RoutingTable.load(table)
         elif table is not None and not isinstance(table, RoutingTable):
@@ -904,7 +925,9 @@ class RoutedPrefillPipeline:
             curve the sparse path runs with ``min_sparse_kv_len = 0`` (routing decided);
             without, the default rule routes exactly the requests the sparse pipeline would
             not keep dense, so its outputs match the unrouted pipeline's.
-        table: a :class:`RoutingTable`, a path to its JSON, or None.
+        table: a :class:`RoutingTable`, a path to its JSON, :data:`MEASURED` (the default: the
+            shipped measurement of this GPU model, see :mod:`fpv2.serving.routing_measured`) or None
+            (the default rule).
         strategy: selection strategy of the sparse path.
         correction: mean correction on the sparse path.
         backend: ``"auto"``, a backend name or object, shared by both paths.
@@ -924,7 +947,7 @@ class RoutedPrefillPipeline:
         self,
         config: SelectionConfig | None = None,
         *,
-        table: RoutingTable | str | os.PathLike[str] | None = None,
+        table: RoutingTable | str | os.PathLike[str] | _Measured | None = MEASURED,
         strategy: str = "max_threshold",
         correction: bool = True,
         backend: str | AttentionBackend = AUTO,

@@ -1,0 +1,76 @@
+"""Routing curves measured on the device, shipped so that routing works without a measurement of one's own.
+
+:data:`H200_TABLE` is the routing table ``benchmarks/routing_switch_point.py``
+wrote on the lent H200 on 2026-11-29 (files under
+``benchmarks/results/2026-11-29-h200-serving/``): planted workload, B=1, no
+prefix, Hq=32, Hkv=8, d=128, bf16, page size 1, ``alpha = 0.1``, the Triton
+backends (the sparse pipeline with the correction against the Triton kernel's
+dense mode), medians of 10 CUDA-event runs. The sparse pipeline wins from
+about 10,069 KV tokens on (1.79x at 16K, 4.48x at 32K); at 8K it is 1.28x
+slower than dense, so the default rule's ``min_sparse_kv_len = 8192`` routes
+8K..10K prompts to the slower path on this GPU.
+
+:func:`measured_table` hands the table to the router only on the GPU it was
+measured on (by device name); other GPUs, and other keys on this one (page
+sizes, head shapes, ``alpha``), keep the default rule until measured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .routing import RoutingTable
+
+#: The H200 routing table (schema ``fpv2-routing/1``), rounded to 0.1 microsecond.
+H200_TABLE: dict[str, object] = {
+    "schema": "fpv2-routing/1",
+    "meta": {
+        "created": "2026-11-29T22:05:44+00:00",
+        "gpu": "NVIDIA H200",
+        "source": "benchmarks/results/2026-11-29-h200-serving/routing-table.json",
+    },
+    "curves": [
+        {
+            "key": {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "page_size": 1, "alpha": 0.1},
+            "points": [
+                {"kv_len": 1024, "sparse_ms": 1.7825, "dense_ms": 0.5711, "density": 0.9870},
+                {"kv_len": 2048, "sparse_ms": 1.6241, "dense_ms": 0.5792, "density": 0.8398},
+                {"kv_len": 4096, "sparse_ms": 1.8441, "dense_ms": 0.8628, "density": 0.6564},
+                {"kv_len": 8192, "sparse_ms": 2.7016, "dense_ms": 2.1111, "density": 0.4896},
+                {"kv_len": 16384, "sparse_ms": 3.4111, "dense_ms": 6.1043, "density": 0.1897},
+                {"kv_len": 32768, "sparse_ms": 4.7552, "dense_ms": 21.3186, "density": 0.0946},
+            ],
+            "meta": {
+                "gpu": "NVIDIA H200",
+                "backend": "triton",
+                "dense_path": "kernel",
+                "strategy": "max_threshold",
+                "correction": True,
+                "workload": "planted",
+                "repeats": 10,
+                "commit": "e4ec676 (with uncommitted kernel and index work of the same hour)",
+            },
+        }
+    ],
+}
+
+#: Measured tables by the CUDA device name they were measured on.
+MEASURED_TABLES: dict[str, dict[str, object]] = {"NVIDIA H200": H200_TABLE}
+
+
+def measured_table(device: torch.device | str | None = None) -> RoutingTable | None:
+    """The shipped routing table measured on this GPU model, or None.
+
+    Args:
+        device: the CUDA device whose name is looked up (None: the current device).
+
+    Returns:
+        The :class:`~.routing.RoutingTable`, or None without CUDA or for a GPU with no shipped measurement.
+    """
+    if not torch.cuda.is_available():
+        return None
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    data = MEASURED_TABLES.get(name)
+    return RoutingTable.from_dict(data) if data is not None else None
