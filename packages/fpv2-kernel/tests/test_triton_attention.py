@@ -41,7 +41,8 @@ from fpv2.kernel.reference import (
     quantize_queries,
     sparse_attention,
 )
-from fpv2.kernel.triton import BLOCK_M, is_interpreted, sparse_attention_triton
+from fpv2.kernel.triton import BLOCK_M, LaunchConfig, is_interpreted, launch_config, sparse_attention_triton
+from fpv2.kernel.triton.todo_words import todo_words
 
 INTERPRETED = is_interpreted()
 needs_compiled_gpu = pytest.mark.skipif(
@@ -294,15 +295,28 @@ def test_mean_correction_matches_oracle_and_reference(
     assert (got.double().cpu() - ref.double().cpu()).abs().max().item() < 2e-3
 
 
+#: Launch overrides of the several-chunks test: steps of 128 pooled vectors (two todo words
+#: per step), of 16 (four steps per word), no software pipelining, grid in segment order.
+LAUNCH_VARIANTS = {
+    "table": None,
+    "step128": dict(correction_step=128, correction_stages=2),
+    "step16_unpipelined": dict(block_n=16, num_stages=1, correction_step=16, correction_stages=1, reverse_grid=False),
+}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCH_VARIANTS))
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("explicit_words", [True, False])
 def test_correction_over_several_chunks(
-    paged_case, oracle, hand_index, index_token_masks, device, explicit_words, head_dim
+    paged_case, oracle, hand_index, index_token_masks, device, explicit_words, head_dim, launch
 ):
-    """16-token blocks, 3 chunks of 64: chunk 0 all kept (todo word 0, skipped), bit 63 of chunk 1 set.
+    """16-token blocks, 3 chunks of 64: chunk 0 all kept (todo word 0), bit 63 of chunk 1 set.
 
-    At d = 256 the kernel walks each 64-bit word in two steps of 32 pooled vectors.
+    At d = 256 the table walks each 64-bit word in two steps of 32 pooled vectors; the
+    launch variants walk two words per step, or four steps per word, without pipelining.
     """
+    if launch == "step128" and head_dim == 256:
+        pytest.skip("d = 256 keeps steps of 32 pooled vectors (registers)")
     case = paged_case(
         [40], [2500], num_q_heads=1, num_kv_heads=1, head_dim=head_dim, page_size=16, dtype=torch.float16,
         device=device,
@@ -322,14 +336,91 @@ def test_correction_over_several_chunks(
     if explicit_words:
         words = plan.todo_masks.tolist()
         assert len(words) == 3 and words[0] == 0 and words[1] < 0  # sign bit = block 127
+    overrides = LAUNCH_VARIANTS[launch]
+    config = None if overrides is None else dataclasses.replace(launch_config(head_dim, 16), **overrides)
     allowed = index_token_masks(case, segments, 16)
     extra = correction_columns(case, segments, 16, 1 / math.sqrt(head_dim))
     want, want_lse = oracle(case, allowed=allowed, extra=extra)
     got, lse = sparse_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, out=poisoned(case), return_lse=True
-    )
+        case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, out=poisoned(case), return_lse=True,
+        launch=config,
+    )  # fmt: skip
     check_fa3_rule(got, want, same_precision(case, torch.float16, allowed=allowed, extra=extra))
     check_lse(lse, want_lse)
+
+
+def expected_words(segments, n_words: int) -> list[list[int]]:
+    """Per segment, its ``n_words`` todo words as unsigned ints, written out bit by bit from the segment."""
+    out = []
+    for seg in segments:
+        kept = set(seg.kept)
+        words = [0] * n_words
+        for j in range(seg.num_eligible):
+            if j not in kept:
+                words[j // 64] |= 1 << (j % 64)
+        out.append(words)
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_todo_words_built_on_the_device_follow_the_rule(paged_case, hand_index, device, group):
+    """Varlen + prefix, 16-token blocks (up to 3 words), fully kept and fully pruned tiles, spare CSR capacity."""
+    case = paged_case(
+        [300, 0, 41, 520], [2500, 40, 1100, 520], num_q_heads=2 * group, num_kv_heads=2, page_size=16,
+        dtype=torch.float16, device=device,
+    )  # fmt: skip
+
+    def keep(seg):
+        rng = random.Random(hash((seg.request, seg.kv_head, seg.tile)))
+        if seg.tile % 3 == 1:
+            return seg.kept  # every visible block: no todo bit at all
+        if seg.tile % 3 == 2:
+            return list(seg.diagonal_band)  # every eligible block pruned
+        return [j for j in seg.kept if j in seg.diagonal_band or rng.random() < 0.3]
+
+    index, segments = hand_index(case.batch, num_kv_heads=2, group=group, tile_size=BLOCK_M, block_size=16, keep=keep)
+    # spare capacity after the kept ids (the contract allows it; kernels must not read it)
+    spare = torch.full((37,), -1, dtype=torch.int32, device=device)
+    spare[::2] = 5
+    index = dataclasses.replace(index, blocks=torch.cat([index.blocks, spare]))
+    offsets, words = todo_words(index, case.batch)
+    n_words = -(-2500 // 16 // 64)  # blocks of the longest request, 64 per word
+    assert n_words == 3 and offsets.tolist() == [s * n_words for s in range(len(segments) + 1)]
+    got = [[w & (2**64 - 1) for w in words.tolist()[s * n_words : (s + 1) * n_words]] for s in range(len(segments))]
+    want = expected_words(segments, n_words)
+    assert got == want
+    assert any(w[2] for w in want) and any(w[0] >> 63 for w in want), "the case must reach word 2 and bit 63"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check is a device-side assertion")
+def test_statistics_of_another_batch_are_refused_without_a_host_read(paged_case, hand_index, device):
+    """Same request count and total blocks, lengths swapped: the on-device offsets check fires."""
+    case = paged_case([100, 30], [300, 130], num_q_heads=2, num_kv_heads=2, page_size=16, dtype=torch.float16,
+                      device=device)  # fmt: skip
+    other = paged_case([30, 100], [130, 300], num_q_heads=2, num_kv_heads=2, page_size=16, dtype=torch.float16,
+                       device=device)  # fmt: skip
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=1, tile_size=BLOCK_M, block_size=64)
+    wrong = pool_blocks(other.k_cache, other.v_cache, other.batch, block_size=64)
+    with pytest.raises(RuntimeError, match="block_offsets"):
+        sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, plan=CorrectionPlan(wrong))
+    longer = paged_case(
+        [100, 30], [300, 200], num_q_heads=2, num_kv_heads=2, page_size=16, dtype=torch.float16, device=device
+    )
+    extra_block = pool_blocks(longer.k_cache, longer.v_cache, longer.batch, block_size=64)
+    with pytest.raises(ValueError, match="9 pooled blocks; the batch needs 8"):
+        sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, plan=CorrectionPlan(extra_block))
+    right = pool_blocks(case.k_cache, case.v_cache, case.batch, block_size=64)
+    out = sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, plan=CorrectionPlan(right))
+    assert torch.isfinite(out).all()
+
+
+def test_launch_override_is_checked(paged_case, hand_index, device):
+    case = paged_case([40], [100], num_q_heads=2, num_kv_heads=2, page_size=16, dtype=torch.float16, device=device)
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=1, tile_size=BLOCK_M, block_size=32)
+    with pytest.raises(ValueError, match="does not divide"):
+        sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, launch=LaunchConfig(64, 4, 2))
+    with pytest.raises(TypeError, match="LaunchConfig"):
+        sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, launch=(32, 4, 2))
 
 
 def test_correction_is_exact_on_blockwise_constant_keys(paged_case, oracle, hand_index, device):

@@ -10,15 +10,16 @@ cached host view. Programs run in segment order; ordering them heaviest first
 (by kept-block count) is left to a later scheduler.
 
 Host syncs: the input validation reads the batch's small index arrays once
-(cached on the batch); ``BlockIndex.check_compatible`` reads the index and a
-correction plan's ``block_offsets`` are checked on the host, each once per
-(index or plan, batch): later calls with the same objects, such as the other
-layers of one forward, make no host sync.
+(cached on the batch); ``BlockIndex.check_compatible`` reads the index once per
+(index, batch) unless its producer vouched for the batch. A correction plan costs
+no host sync: its statistics' ``block_offsets`` are compared with the batch on the
+device (``torch._assert_async``: a mismatch fails the next synchronising call
+with a device-side assertion), once per (statistics, batch), and plans without
+todo words get them from a small device kernel (:mod:`.todo_words`).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 
@@ -48,7 +49,8 @@ from .sparse_attention import (
     DOT_NATIVE,
     sparse_prefill_kernel,
 )
-from .tuning import launch_config
+from .todo_words import segment_requests, todo_words
+from .tuning import LaunchConfig, launch_config
 
 #: Packed query rows per program: the kernel's query tile, which must equal the index tile size.
 BLOCK_M = TILE_SIZE
@@ -81,6 +83,7 @@ def sparse_attention_triton(
     v_descale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse (or dense) causal prefill attention over a paged KV cache, in Triton.
 
@@ -106,12 +109,14 @@ def sparse_attention_triton(
         index: kept blocks per segment; ``None`` is dense mode (every causally visible
             block, no CSR needed).
         plan: mean correction for pruned blocks (needs ``index``); todo words from
-            ``plan.todo_masks`` when present, else derived from the index in the kernel.
+            ``plan.todo_masks`` when present, else built from the index on the device.
         softmax_scale: logit scale, ``1 / sqrt(d)`` by default.
         q_descale, k_descale, v_descale: ``(B, Hkv) float32`` descales, required for
             (and only for) FP8 inputs.
         out: optional ``(total_q, Hq, d)`` output buffer (input dtype; bf16 for FP8).
         return_lse: also return the natural-log log-sum-exp of each row.
+        launch: launch parameters to use instead of the tuning table's (tuning scripts);
+            ``block_n`` must divide the index's block size.
 
     Returns:
         ``out`` (total_q, Hq, d); with ``return_lse`` also ``lse (total_q, Hq) float32``.
@@ -144,13 +149,9 @@ def sparse_attention_triton(
                 "plan was given without an index: dense mode keeps every block, so there is nothing to correct; "
                 "pass the block index the plan was built for"
             )
-        checked = _CHECKED_PLANS.setdefault(plan, weakref.WeakKeyDictionary())
-        seen = (id(index), shapes)
-        if checked.get(batch) != seen:  # reads block_offsets on the host: once per (plan, index, batch)
-            _check_plan(plan, index, batch, shapes, q.device)
-            checked[batch] = seen
+        _check_plan(plan, index, batch, shapes, q.device)
     scale = _resolve_scale(softmax_scale, shapes.head_dim)
-    config = launch_config(shapes.head_dim, block_size)
+    config = launch_config(shapes.head_dim, block_size) if launch is None else _check_launch(launch, block_size)
 
     out_dtype = torch.bfloat16 if shapes.is_fp8 else q.dtype
     expected_out = (q.shape[0], shapes.num_q_heads, shapes.head_dim)
@@ -173,20 +174,22 @@ def sparse_attention_triton(
         num_segments = shapes.num_kv_heads * sum(num_query_tiles(n, group, BLOCK_M) for n in batch.host.q_lens)
     if num_segments == 0:
         return (out, lse) if return_lse else out
-    segment_ends = tile_offsets[1:] * shapes.num_kv_heads
-    seg_request = torch.searchsorted(
-        segment_ends, torch.arange(num_segments, dtype=torch.int32, device=q.device), right=True, out_int32=True
-    )
+    seg_request = segment_requests(tile_offsets, shapes.num_kv_heads, num_segments)
 
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=q.device)
     dummy_f32 = torch.zeros(1, dtype=torch.float32, device=q.device)
-    dummy_i64 = torch.zeros(1, dtype=torch.int64, device=q.device)
-    has_todo = plan is not None and plan.todo_masks is not None
     corr_kind = _correction_kind(shapes.dtype, interpreted)
     if plan is not None:
         pooled = _correction_operands(plan.statistics, corr_kind)
+        if plan.todo_masks is not None:
+            todo_offsets, todo_masks = plan.todo_offsets, plan.todo_masks
+        else:
+            todo_offsets, todo_masks = todo_words(index, batch, seg_request)
+        if todo_masks.numel() == 0:
+            todo_masks = torch.zeros(1, dtype=torch.int64, device=q.device)
     else:
-        pooled = (dummy_f32,) * 4
+        pooled = (dummy_f32,) * 2
+        todo_offsets, todo_masks = dummy_i32, torch.zeros(1, dtype=torch.int64, device=q.device)
 
     if shapes.dtype == torch.float32:
         dot_kind = DOT_FP32
@@ -217,8 +220,8 @@ def sparse_attention_triton(
         *pooled,
         plan.statistics.block_lengths if plan is not None else dummy_i32,
         plan.statistics.block_offsets if plan is not None else dummy_i32,
-        plan.todo_offsets if has_todo else dummy_i32,
-        plan.todo_masks if has_todo else dummy_i64,
+        todo_offsets,
+        todo_masks,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -247,13 +250,14 @@ def sparse_attention_triton(
         CORR_N=config.correction_step,
         DENSE=index is None,
         CORRECTION=plan is not None,
-        HAS_TODO=has_todo,
         FP8=shapes.is_fp8,
         P_SHIFT=P_SHIFT_FP8 if shapes.is_fp8 else 0.0,
         DOT_KIND=dot_kind,
         CORR_KIND=corr_kind,
         WRITE_LSE=return_lse,
         PIPE_STAGES=config.num_stages,
+        CORR_STAGES=config.correction_stages,
+        REVERSE=config.reverse_grid,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -261,11 +265,11 @@ def sparse_attention_triton(
 
 
 def _correction_kind(dtype: torch.dtype, interpreted: bool) -> int:
-    """Products of the correction step: 0 fp32 IEEE, 1 split fp16, 2 split bf16 (see ``_correct_chunk``).
+    """Operands of the correction step: 0 fp32 (IEEE products), 1 fp16, 2 bf16 (see ``_correct_chunk``).
 
-    fp32 inputs keep fp32; fp16 splits in fp16 (also under the interpreter, whose fp16 dot
-    is exact); bf16 and e4m3 split in bf16 on a GPU, and use fp32 under the interpreter
-    (its bf16 dot is broken).
+    fp32 inputs keep fp32; fp16 inputs use fp16 (also under the interpreter, whose fp16
+    dot is exact); bf16 and e4m3 use bf16 on a GPU (e4m3 queries widen to bf16 exactly)
+    and fp32 under the interpreter (its bf16 dot is broken).
     """
     if dtype == torch.float16:
         return 1
@@ -274,21 +278,21 @@ def _correction_kind(dtype: torch.dtype, interpreted: bool) -> int:
     return 2
 
 
-def _correction_operands(stats: BlockStatistics, corr_kind: int) -> tuple[torch.Tensor, ...]:
-    """``(pooled_k, pooled_k_lo, pooled_v, pooled_v_lo)`` in the form the kernel reads, one set of strides.
+def _correction_operands(stats: BlockStatistics, corr_kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pooled_k, pooled_v)`` in the element type of the correction step, one set of strides.
 
-    Kind 0: the fp32 statistics (the ``_lo`` slots repeat them, unused). Kinds 1 and 2:
-    each fp32 vector split into a 16-bit head and the 16-bit remainder ``x - head``
-    (fp16 or bf16), so the correction runs on tensor cores at about 16 mantissa bits.
-    This small workspace (four ``(total_blocks, Hkv, d)`` 16-bit arrays) is made per call.
+    Kind 0 reads the fp32 statistics as they are; kinds 1 and 2 round them once to fp16
+    or bf16 (two small ``(total_blocks, Hkv, d)`` arrays per call), so the correction
+    runs on the tensor cores like the main loop. Pooled keys are means of the 16-bit
+    keys themselves and pooled values enter only the pruned blocks' share of each row,
+    so the rounding is of the order of the inputs' own (measured: see tuning.py).
     """
     pooled_k = stats.pooled_k.contiguous()
     pooled_v = stats.pooled_v.contiguous()
     if corr_kind == 0:
-        return pooled_k, pooled_k, pooled_v, pooled_v
+        return pooled_k, pooled_v
     half = torch.float16 if corr_kind == 1 else torch.bfloat16
-    k_hi, v_hi = pooled_k.to(half), pooled_v.to(half)
-    return k_hi, (pooled_k - k_hi.float()).to(half), v_hi, (pooled_v - v_hi.float()).to(half)
+    return pooled_k.to(half), pooled_v.to(half)
 
 
 def _band(block_size: int) -> int:
@@ -324,14 +328,31 @@ def _check_index(index: BlockIndex, batch: PagedPrefillBatch, shapes: PrefillSha
     index.check_compatible(batch, shapes.group, tile_size=BLOCK_M)
 
 
-#: Plans already checked against a (batch, index) (the check reads the device; later layers skip it).
-_CHECKED_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _check_launch(launch: LaunchConfig, block_size: int) -> LaunchConfig:
+    """An explicit launch configuration must be a LaunchConfig whose ``block_n`` divides the block size."""
+    if not isinstance(launch, LaunchConfig):
+        raise TypeError(f"launch must be a LaunchConfig or None; got {type(launch).__name__}")
+    if block_size % launch.block_n:
+        raise ValueError(f"launch.block_n={launch.block_n} does not divide the index block_size={block_size}")
+    return launch
+
+
+#: Statistics already checked against a batch (on the device): later calls with the same
+#: statistics and batch, whatever the plan object wrapping them, enqueue no check.
+_CHECKED_STATISTICS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _check_plan(
     plan: CorrectionPlan, index: BlockIndex, batch: PagedPrefillBatch, shapes: PrefillShapes, device: torch.device
 ) -> None:
-    """The plan's statistics and todo words must fit the index, the batch and the cache (one small host sync)."""
+    """The plan's statistics and todo words must fit the index, the batch and the cache (no host sync).
+
+    Shapes and the total block count are checked on the host (the batch's host view is
+    cached); the per-request ``block_offsets`` values are compared with the batch on
+    the device, once per (statistics, batch), through ``torch._assert_async``: on a GPU a
+    mismatch surfaces as a device-side assertion at the next synchronising call (on the
+    CPU it raises at once).
+    """
     if not isinstance(plan, CorrectionPlan):
         raise TypeError(f"plan must be a CorrectionPlan or None; got {type(plan).__name__}")
     stats = plan.statistics
@@ -350,15 +371,24 @@ def _check_plan(
             f"plan statistics block_offsets must have B+1 = {batch.num_requests + 1} entries; got "
             f"{describe(stats.block_offsets)}"
         )
-    offsets = stats.block_offsets.cpu().tolist()
-    counts = [b - a for a, b in itertools.pairwise(offsets)]
     needed = [num_key_blocks(k, index.block_size) for k in batch.host.seqlens_k]
-    if counts != needed or offsets[0] != 0 or offsets[-1] != stats.pooled_k.shape[0]:
+    if stats.pooled_k.shape[0] != sum(needed):
         raise ValueError(
-            f"plan statistics hold {counts[:8]} blocks per request (block_offsets {offsets[:9]}, pooled_k rows "
-            f"{stats.pooled_k.shape[0]}); the batch needs {needed[:8]}"
+            f"plan statistics hold {stats.pooled_k.shape[0]} pooled blocks; the batch needs {sum(needed)} "
+            f"({needed[:8]} per request with block_size {index.block_size})"
         )
     if plan.todo_offsets is not None:
         check_shape("todo_offsets", plan.todo_offsets, (index.num_segments + 1,))
         if not (plan.todo_offsets.is_contiguous() and plan.todo_masks.is_contiguous()):
             raise ValueError("todo_offsets and todo_masks must be contiguous")
+    checked = _CHECKED_STATISTICS.setdefault(stats, weakref.WeakKeyDictionary())
+    if batch in checked:
+        return
+    counts = (batch.seqlens_k.long() + index.block_size - 1) // index.block_size
+    offsets = torch.zeros(batch.num_requests + 1, dtype=torch.long, device=device)
+    offsets[1:] = counts.cumsum(0)
+    torch._assert_async(
+        (stats.block_offsets.long() == offsets).all(),
+        "plan statistics block_offsets do not match the batch's blocks per request",
+    )
+    checked[batch] = True

@@ -116,32 +116,34 @@ def _attend_subtile(
         s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
     else:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    s = s * qk_scale
+    # The scale (> 0) is applied inside the exponent, ``2^(s * scale - m)``: one FMA per
+    # logit; the running maximum is kept in scaled units.
     if MASKED:
         # Bottom-right causal: the row at absolute position q_abs sees keys 0 .. q_abs. Keys
         # past the KV tail are past every real row's position, so this masks them too.
         s = tl.where(kpos[None, :] <= q_abs[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         # A row may not see any key yet: shift by 0 instead of -inf to avoid inf - inf.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None] + P_SHIFT)
+    p = tl.exp2(s * qk_scale - (m_use - P_SHIFT)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # P is rounded to V's dtype (e4m3 for FP8, after the 2^8 shift) before the PV product.
+    # P is rounded to V's dtype (e4m3 for FP8, after the 2^8 shift) before the PV product,
+    # which accumulates into the rescaled accumulator in place.
+    acc = acc * alpha[:, None]
     if DOT_KIND == 0:
-        pv = tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc)
     elif DOT_KIND == 2:
-        pv = tl.dot(p.to(v.dtype).to(tl.float16), v.to(tl.float16))
+        acc = tl.dot(p.to(v.dtype).to(tl.float16), v.to(tl.float16), acc)
     else:
         if DOT_KIND == 3:
             p = _round_nearest_even(p, 7, -100)
         elif DOT_KIND == 4:
             p = tl.minimum(_round_nearest_even(p, 3, -6), 448.0)
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    acc = acc * alpha[:, None] + pv
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -149,12 +151,11 @@ def _attend_subtile(
 def _correct_chunk(
     q_c,
     pooled_k_head,
-    pooled_k_lo_head,
     pooled_v_head,
-    pooled_v_lo_head,
     stat,
     stride_pb,
     block_lengths,
+    eligible,
     todo,
     m_i,
     l_i,
@@ -164,43 +165,42 @@ def _correct_chunk(
     HEAD_DIM: tl.constexpr,
     P_SHIFT: tl.constexpr,
     CORR_KIND: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One online-softmax step over a chunk of pooled blocks (statistics rows ``stat``).
 
     Column ``J`` stands for the ``|B_J|`` pruned tokens of its block: logit
     ``q . kbar_J * scale + log2 |B_J|`` (log2 units) and value ``vbar_J * v_units``;
-    columns that are not todo get ``-inf``. The caller only runs chunks with a todo
-    bit set, so every row gets a finite maximum.
+    columns that are not todo get ``-inf``. Loads depend on ``eligible`` only (a
+    function of the step number), not on the todo bits, so the loop software-pipelines.
 
-    With ``CORR_KIND`` 0 the pooled vectors are fp32 and the products IEEE fp32.
-    Otherwise ``q_c`` is 16-bit (fp16 or bf16) and each pooled vector comes as a 16-bit
-    head plus a 16-bit remainder (split by the launcher): two tensor-core products per
-    operand keep about 16 mantissa bits, with no fp32 tile in registers.
+    With ``CORR_KIND`` 0 the pooled vectors and ``q_c`` are fp32 and the products IEEE
+    fp32; otherwise both are 16-bit (fp16 or bf16, converted once by the launcher) and
+    the products run on the tensor cores with fp32 accumulation.
     """
     offs_d = tl.arange(0, HEAD_DIM)
     offs = stat[:, None] * stride_pb + offs_d[None, :]
+    kbar = tl.load(pooled_k_head + offs, mask=eligible[:, None], other=0.0)
     if CORR_KIND == 0:
-        kbar = tl.load(pooled_k_head + offs, mask=todo[:, None], other=0.0)
         s = tl.dot(q_c, tl.trans(kbar), input_precision="ieee")
     else:
-        k_hi = tl.load(pooled_k_head + offs, mask=todo[:, None], other=0.0)
-        k_lo = tl.load(pooled_k_lo_head + offs, mask=todo[:, None], other=0.0)
-        s = tl.dot(q_c, tl.trans(k_lo), acc=tl.dot(q_c, tl.trans(k_hi)))
-    log2_len = tl.log2(tl.load(block_lengths + stat, mask=todo, other=1).to(tl.float32))
+        s = tl.dot(q_c, tl.trans(kbar))
+    log2_len = tl.log2(tl.load(block_lengths + stat, mask=eligible, other=1).to(tl.float32))
     s = tl.where(todo[None, :], s * corr_scale + log2_len[None, :], float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None] + P_SHIFT)
+    # A chunk may hold no todo column, and a row may have seen no key: no inf - inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - (m_use - P_SHIFT)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    vbar = tl.load(pooled_v_head + offs, mask=eligible[:, None], other=0.0)
+    if FP8:
+        p = p * v_units  # pooled values are in real units, the accumulator in FP8 V units
+    acc = acc * alpha[:, None]
     if CORR_KIND == 0:
-        vbar = tl.load(pooled_v_head + offs, mask=todo[:, None], other=0.0)
-        pv = tl.dot(p, vbar, input_precision="ieee")
+        acc = tl.dot(p, vbar, acc, input_precision="ieee")
     else:
-        p_c = p.to(q_c.dtype)
-        v_hi = tl.load(pooled_v_head + offs, mask=todo[:, None], other=0.0)
-        v_lo = tl.load(pooled_v_lo_head + offs, mask=todo[:, None], other=0.0)
-        pv = tl.dot(p_c, v_lo, acc=tl.dot(p_c, v_hi))
-    acc = acc * alpha[:, None] + pv * v_units
+        acc = tl.dot(p.to(vbar.dtype), vbar, acc)
     return m_new, l_i, acc
 
 
@@ -243,9 +243,7 @@ def sparse_prefill_kernel(
     KDescale,
     VDescale,
     PooledK,
-    PooledKLo,
     PooledV,
-    PooledVLo,
     BlockLengths,
     BlockOffsets,
     TodoOffsets,
@@ -278,13 +276,14 @@ def sparse_prefill_kernel(
     CORR_N: tl.constexpr,
     DENSE: tl.constexpr,
     CORRECTION: tl.constexpr,
-    HAS_TODO: tl.constexpr,
     FP8: tl.constexpr,
     P_SHIFT: tl.constexpr,
     DOT_KIND: tl.constexpr,
     CORR_KIND: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     PIPE_STAGES: tl.constexpr,
+    CORR_STAGES: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """Attention of one (request, KV head, tile) segment over its kept blocks (+ mean correction).
 
@@ -297,7 +296,12 @@ def sparse_prefill_kernel(
     (probabilities ``2^(s - m + 8)``) and 0 otherwise. ``CORR_KIND`` picks the correction's
     products: 0 fp32 IEEE, 1 split fp16, 2 split bf16 (see :func:`_correct_chunk`).
     """
-    pid = tl.program_id(0)
+    if REVERSE:
+        # Segments run last to first: within a request, the tiles late in the sequence (the
+        # most blocks to walk) start first and the short ones fill the tail of the grid.
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
     b, h, t, q_start, q_len, kv_len = _segment(pid, SegRequest, TileOffsets, CuSeqlensQ, SeqlensK, NUM_KV_HEADS, False)
     prefix = kv_len - q_len
 
@@ -386,41 +390,32 @@ def sparse_prefill_kernel(
             corr_scale = sm_scale_log2
             v_units = 1.0
         n_elig = first_abs // BLOCK_SIZE  # J < (prefix + p_first) // Bk
-        boff = tl.load(BlockOffsets + b)
-        offs_c = tl.arange(0, CORR_N)
-        if CORR_KIND == 1:
-            q_c = q.to(tl.float16)
-        elif CORR_KIND == 2:
-            q_c = q.to(tl.bfloat16)
-        else:
-            q_c = q.to(tl.float32)
-        if HAS_TODO:
+        # Kept blocks below n_elig: the first n_full kept ids lie below full_limit, which is
+        # n_elig or n_elig + 1; when every eligible block is kept there is nothing to add.
+        last_full = tl.load(IdxBlocks + seg_start + n_full - 1, mask=n_full > 0, other=-1)
+        n_kept_elig = n_full - (last_full >= n_elig).to(tl.int32)
+        if n_kept_elig < n_elig:
+            boff = tl.load(BlockOffsets + b)
             w_start = tl.load(TodoOffsets + pid)
             w_end = tl.load(TodoOffsets + pid + 1)
-        else:
-            ptr = seg_start
-        # Each 64-block chunk (one todo word) is walked as CHUNK // CORR_N steps of CORR_N
-        # pooled vectors (CORR_N < 64 only where registers are short, at d = 256).
-        for c in range(0, tl.cdiv(n_elig, CORR_N)):
-            blk_c = c * CORR_N + offs_c
-            eligible = blk_c < n_elig
-            if HAS_TODO:
-                w = (c * CORR_N) // CHUNK
-                word = tl.load(TodoMasks + w_start + w, mask=w_start + w < w_end, other=0)
-                bit = (c * CORR_N) % CHUNK + offs_c
-                todo = eligible & (((word >> bit.to(tl.int64)) & 1) != 0)
+            offs_c = tl.arange(0, CORR_N)
+            if CORR_KIND == 0:
+                q_c = q.to(tl.float32)
+            elif CORR_KIND == 1:
+                q_c = q.to(tl.float16)
             else:
-                # Two-pointer scan of the sorted kept list: ids before ptr are below this
-                # chunk, and at most CORR_N kept ids fall inside it.
-                ids = tl.load(IdxBlocks + ptr + offs_c, mask=ptr + offs_c < seg_end, other=2147483647)
-                hit = tl.sum((ids[:, None] == blk_c[None, :]).to(tl.int32), 0)
-                todo = eligible & (hit == 0)
-                ptr += tl.sum((ids < c * CORR_N + CORR_N).to(tl.int32), 0)
-            if tl.sum(todo.to(tl.int32), 0) > 0:  # skip chunks with nothing to add
+                q_c = q.to(tl.bfloat16)
+            # CORR_N pooled vectors per step (a 64-bit todo word covers CHUNK = 64 of them).
+            # No per-step branch: a step whose todo bits are all clear adds exp2(-inf) = 0.
+            for c in tl.range(0, tl.cdiv(n_elig, CORR_N), num_stages=CORR_STAGES):
+                blk_c = c * CORR_N + offs_c
+                eligible = blk_c < n_elig
+                w_idx = w_start + blk_c // CHUNK
+                word = tl.load(TodoMasks + w_idx, mask=eligible & (w_idx < w_end), other=0)
+                todo = eligible & (((word >> (blk_c % CHUNK).to(tl.int64)) & 1) != 0)
                 m_i, l_i, acc = _correct_chunk(
-                    q_c, PooledK + h * stride_ph, PooledKLo + h * stride_ph, PooledV + h * stride_ph,
-                    PooledVLo + h * stride_ph, (boff + blk_c).to(tl.int64), stride_pb, BlockLengths, todo,
-                    m_i, l_i, acc, corr_scale, v_units, HEAD_DIM, P_SHIFT, CORR_KIND,
+                    q_c, PooledK + h * stride_ph, PooledV + h * stride_ph, (boff + blk_c).to(tl.int64), stride_pb,
+                    BlockLengths, eligible, todo, m_i, l_i, acc, corr_scale, v_units, HEAD_DIM, P_SHIFT, CORR_KIND, FP8,
                 )  # fmt: skip
 
     # ---- epilogue: normalise, write the rows of this tile (rows that saw nothing get 0 / -inf)

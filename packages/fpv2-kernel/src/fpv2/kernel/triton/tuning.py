@@ -27,6 +27,7 @@ not timed yet.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -38,19 +39,24 @@ class LaunchConfig:
         block_n: keys per sub-tile (divides the key block size).
         num_warps: warps per program.
         num_stages: software-pipelining depth of the unmasked block loop.
-        correction_step: pooled vectors per mean-correction step (divides the 64 of a
-            todo word; smaller where registers are short).
+        correction_step: pooled vectors per mean-correction step (a power of two from
+            16 to 128; a step of 128 reads two todo words; smaller where registers are short).
+        correction_stages: software-pipelining depth of the correction loop (1: none).
+        reverse_grid: run the segments last to first, so that the late tiles of each
+            request (the longest block lists) start first and short tiles fill the tail.
     """
 
     block_n: int
     num_warps: int
     num_stages: int
     correction_step: int = 64
+    correction_stages: int = 2
+    reverse_grid: bool = True
 
 
 #: Launch parameters per head dimension (see the module docstring).
 TUNING_TABLE: dict[int, LaunchConfig] = {
-    64: LaunchConfig(block_n=64, num_warps=4, num_stages=3),
+    64: LaunchConfig(block_n=64, num_warps=4, num_stages=3, correction_stages=1),
     128: LaunchConfig(block_n=128, num_warps=8, num_stages=3),
     256: LaunchConfig(block_n=32, num_warps=8, num_stages=2, correction_step=32),
 }
@@ -78,5 +84,5 @@ def launch_config(head_dim: int, block_size: int) -> LaunchConfig:
         raise ValueError(f"block_size={block_size} is below the smallest key sub-tile {MIN_BLOCK_N} of the kernel")
     config = TUNING_TABLE[head_dim]
     if config.block_n > block_size:
-        config = LaunchConfig(block_size, config.num_warps, config.num_stages, config.correction_step)
+        config = dataclasses.replace(config, block_n=block_size)
     return config
