@@ -195,6 +195,28 @@ def main() -> None:
     log(f"compiled; slowest {max((s for _, s, _ in compile_report), default=0):.1f}s; failed: {failed or 'none'}")
 
     records: list[dict] = []
+    path = out_dir / "triton_profile.json"
+
+    def dump(**extra: object) -> dict:
+        """Write what is measured so far (a run stopped at its time limit keeps its rows)."""
+        summary = dict(
+            what="Triton attention kernel profile: correction cost split, launch-parameter sweep, pipeline stage split",
+            commit=git_commit(),
+            gpu=gpu_name(device),
+            torch=torch.__version__,
+            triton=importlib.import_module("triton").__version__,
+            python=platform.python_version(),
+            shape=dict(B=1, **SHAPE, dtype="bf16", workload="planted (fraction 0.02, margin 7, seed 0)", alpha=0.1),
+            timer=f"cuda-events, median of {args.repeats} after {args.warmup} warm-up",
+            reference="rel_err of sparse rows: vs the kernel's dense mode on the same inputs; dense rows: vs the "
+            "first dense variant",
+            compile=[dict(name=n, seconds=round(s, 1), status=w) for n, s, w in compile_report],
+            records=records,
+            wall_s=round(time.perf_counter() - start, 1),
+            **extra,
+        )
+        path.write_text(json.dumps(summary, indent=1))
+        return summary
 
     def time_variant(inputs: Inputs, v: dict, ref: torch.Tensor | None) -> torch.Tensor | None:
         if v["name"] in failed:
@@ -221,13 +243,14 @@ def main() -> None:
         if ref is not None:
             rec["rel_err"] = round(relative_l2_error(result, ref), 5)
         records.append(rec)
+        dump()
         log(f"{v['name']:<34} {ms:8.3f} ms {rec.get('rel_err', '')}")
         return result
 
     # ---- sparse variants at the long length; reference: the current kernel's dense mode
     ref = sparse.call(dict(module="new", mode="dense", launch=None))()
     base_out = None
-    for v in [v for v in todo if v["mode"] == "sparse"]:
+    for v in sorted((v for v in todo if v["mode"] == "sparse"), key=lambda v: v["module"] != "old"):
         out = time_variant(sparse, v, ref)
         if v["name"] == "old/scan_split":
             base_out = out
@@ -282,23 +305,7 @@ def main() -> None:
             dense_ref = out  # later dense variants must agree with the first
         del out
 
-    summary = dict(
-        what="Triton attention kernel profile: correction cost split, launch-parameter sweep, pipeline stage split",
-        commit=git_commit(),
-        gpu=gpu_name(device),
-        torch=torch.__version__,
-        triton=importlib.import_module("triton").__version__,
-        python=platform.python_version(),
-        shape=dict(B=1, **SHAPE, dtype="bf16", workload="planted (fraction 0.02, margin 7, seed 0)", alpha=0.1),
-        timer=f"cuda-events, median of {args.repeats} after {args.warmup} warm-up",
-        reference="rel_err of sparse rows: vs the kernel's dense mode on the same inputs; dense rows: vs the first "
-        "dense variant",
-        compile=[dict(name=n, seconds=round(s, 1), status=w) for n, s, w in compile_report],
-        records=records,
-        wall_s=round(time.perf_counter() - start, 1),
-    )
-    path = out_dir / "triton_profile.json"
-    path.write_text(json.dumps(summary, indent=1))
+    summary = dump(complete=True)
     print(f"\n{'variant':<36} {'L':>7} {'ms':>9} {'TFLOP/s':>8} {'rel_err':>8}")
     for r in records:
         if "error" in r:
