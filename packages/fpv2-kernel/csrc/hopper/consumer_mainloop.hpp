@@ -5,7 +5,7 @@
 //   S = Q K^T          SS wgmma, fp32 accumulators; K stage released as soon as the product is done;
 //   mask               kept blocks: only in the diagonal band (n >= n_block_masked), by replacement with
 //                      -inf; pooled tiles of the correction: the log|B_J| shift on eligible columns, -inf
-//                      elsewhere (correction_mask.hpp);
+//                      elsewhere (correction_mask.hpp, from a per-tile table of pending block lengths);
 //   online softmax     exp2 with the log2(e)-folded scale, O rescaled in registers;
 //   P -> bf16          in registers, regrouped as the A operand (no shared-memory round trip);
 //   O += P V           RS wgmma; V stage released after the product.
@@ -90,9 +90,11 @@ struct ConsumerMainloop {
     auto state = Pipeline::consumer_start();
     const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
     const int pooled_base = params.has_correction ? params.pooled_block_offsets[tile.request] : 0;
+    const float log2_to_raw = 0.69314718055994531f * params.inverse_softmax_scale;
     if (schedule.num_correction > 0) {
       // Uniform over the CTA's consumers (the same schedule everywhere), so the barriers inside match.
-      CorrectionMask<Traits>::build_kept_bitmap(smem.kept_bitmap, schedule, tile.n_block_masked, consumer_thread);
+      CorrectionMask<Traits>::build(smem.pending_lengths, params, schedule, pooled_base, tile.n_block_masked,
+                                    consumer_thread);
     }
 
     // One KV tile of the schedule: kMode 0 = kept block, unmasked; 1 = kept block in the diagonal band;
@@ -105,8 +107,7 @@ struct ConsumerMainloop {
       if constexpr (kMode == 1) {
         mask.apply(tSrS_rc, tScS_rc, n);
       } else if constexpr (kMode == 2) {
-        CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.kept_bitmap, params, pooled_base, tile.n_block_masked,
-                                      n);
+        CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_lengths, log2_to_raw, tile.n_block_masked, n);
       }
       softmax.step(tSrS_rc, tOrO_rc);
 

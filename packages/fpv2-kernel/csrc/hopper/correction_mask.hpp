@@ -7,9 +7,10 @@
 // shift is log|B_J| / scale. Other columns of the tile (kept blocks, the diagonal band, the next request's
 // rows, TMA zero fill) are replaced by -inf, so they carry no probability.
 //
-// The kept blocks are marked once per tile in a shared-memory bitmap (one bit per block below
-// n_block_masked, built by all consumer threads from the CSR segment); the todo bits of a pooled tile are
-// then ~kept & eligible, the same bits the plan's todo masks hold, derived without a host pass.
+// Once per tile the consumers copy |B_J| of every block below n_block_masked into a shared-memory byte
+// table (coalesced reads of block_lengths) and zero the entries of the tile's kept blocks (from the CSR
+// segment): a non-zero entry is a todo bit of the plan, with its length. Each pooled tile then costs one
+// shared byte load and one lg2 per column, instead of global loads in the softmax's critical path.
 #pragma once
 
 #include <cmath>
@@ -24,51 +25,51 @@
 
 namespace fpv2::hopper {
 
-struct KeptBitmapStorage {
-  uint32_t words[kMaxCorrectionBlocks / 32];
+struct PendingLengthsStorage {
+  uint8_t length[kMaxCorrectionBlocks];  // |B_J| (<= 128) of an eligible pruned block, 0 otherwise
 };
 
 template <class Traits>
 struct CorrectionMask {
-  // Consumer threads, once per tile, before the first pooled tile: bit J set <=> block J (< n_block_masked)
-  // is kept. Ends with a barrier of all consumer threads.
-  __device__ __forceinline__ static void build_kept_bitmap(KeptBitmapStorage& bitmap, BlockSchedule const& schedule,
-                                                           int n_block_masked, int consumer_thread) {
-    const int num_words = (n_block_masked + 31) / 32;
-    for (int w = consumer_thread; w < num_words; w += Traits::kNumConsumerThreads) {
-      bitmap.words[w] = 0u;
+  static_assert(Traits::kBlockN <= 255, "block lengths are stored in one byte");
+
+  // Consumer threads, once per tile, before the first pooled tile. Ends with a barrier of all consumer
+  // threads.
+  template <class Params>
+  __device__ __forceinline__ static void build(PendingLengthsStorage& table, Params const& params,
+                                               BlockSchedule const& schedule, int pooled_base, int n_block_masked,
+                                               int consumer_thread) {
+    for (int j = consumer_thread; j < n_block_masked; j += Traits::kNumConsumerThreads) {
+      const int length = params.block_lengths[pooled_base + j];
+      table.length[j] = static_cast<uint8_t>(length < 0 ? 0 : (length > Traits::kBlockN ? Traits::kBlockN : length));
     }
-    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kKeptBitmap));
+    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingLengths));
     for (int i = consumer_thread; i < schedule.num_kept; i += Traits::kNumConsumerThreads) {
       const int j = schedule.kept[i];
       if (j >= 0 && j < n_block_masked) {
-        atomicOr(&bitmap.words[j >> 5], 1u << (j & 31));
+        table.length[j] = 0;
       }
     }
-    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kKeptBitmap));
+    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingLengths));
   }
 
   // Adds the shift of each eligible column of pooled tile `pooled_tile` and replaces the others by -inf.
-  // scores_rc / coords_rc: the thread's (rows x cols) view of S and of its (row, col) coordinates.
-  template <class ScoresRowsCols, class CoordsRowsCols, class Params>
+  // scores_rc / coords_rc: the thread's (rows x cols) view of S and of its (row, col) coordinates;
+  // log2_to_raw = ln(2) / softmax_scale turns log2|B| into the raw-score shift.
+  template <class ScoresRowsCols, class CoordsRowsCols>
   __device__ __forceinline__ static void apply(ScoresRowsCols& scores_rc, CoordsRowsCols const& coords_rc,
-                                               KeptBitmapStorage const& bitmap, Params const& params,
-                                               int pooled_base, int n_block_masked, int pooled_tile) {
+                                               PendingLengthsStorage const& table, float log2_to_raw,
+                                               int n_block_masked, int pooled_tile) {
     using namespace cute;
     const int first = pooled_tile * Traits::kBlockN;
     CUTE_UNROLL
     for (int j = 0; j < size<1>(scores_rc); ++j) {
       const int block = first + int(get<1>(coords_rc(0, j)));
-      float shift = -INFINITY;
-      if (block < n_block_masked && ((bitmap.words[block >> 5] >> (block & 31)) & 1u) == 0u) {
-        const int length = params.block_lengths[pooled_base + block];
-        if (length > 0) {
-          shift = __logf(float(length)) * params.inverse_softmax_scale;
-        }
-      }
+      const int length = block < n_block_masked ? int(table.length[block]) : 0;
+      const float shift = __log2f(float(length)) * log2_to_raw;  // lg2(0) = -inf
       CUTE_UNROLL
       for (int i = 0; i < size<0>(scores_rc); ++i) {
-        scores_rc(i, j) = shift == -INFINITY ? -INFINITY : scores_rc(i, j) + shift;
+        scores_rc(i, j) = length == 0 ? -INFINITY : scores_rc(i, j) + shift;
       }
     }
   }

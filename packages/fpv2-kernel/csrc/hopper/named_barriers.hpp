@@ -9,7 +9,7 @@ enum class ConsumerBarrier : uint32_t {
   kQueryReadyWarpGroup1 = 0,  // + consumer warpgroup index: that warpgroup's Q rows are in shared memory
   kQueryReadyWarpGroup2 = 1,
   kValueTailCleared = 2,      // both consumer warpgroups cleared their share of the stale V rows
-  kKeptBitmap = 3,            // the correction's kept-block bitmap is cleared / complete
+  kPendingLengths = 3,            // the correction's table of pending block lengths is filled / complete
 };
 
 __device__ __forceinline__ constexpr uint32_t barrier_id(ConsumerBarrier b) { return static_cast<uint32_t>(b); }

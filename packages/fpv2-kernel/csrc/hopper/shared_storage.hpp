@@ -25,7 +25,7 @@ struct DensePrefillSharedStorage {
   alignas(kSmemTileAlignment) Element v[cute::cosize_v<typename Traits::SmemLayoutVt>];
   KvPipelineStorage<Traits::kStages> pipeline_k;
   KvPipelineStorage<Traits::kStages> pipeline_v;
-  KeptBitmapStorage kept_bitmap;  // mean correction only
+  PendingLengthsStorage pending_lengths;  // mean correction only
 };
 
 // Dynamic shared memory to request: the storage plus the slack used to align its base.
