@@ -34,11 +34,15 @@ from fpv2.index.reference import (
 )
 from fpv2.index.triton import (
     IndexWorkspace,
+    compaction,
     interpreter_enabled,
     pool_blocks_triton,
+    scoring,
     select_blocks_triton,
 )
+from fpv2.index.triton.api import capacity_bound
 from fpv2.index.triton.compaction import launch_compact, segment_offsets
+from fpv2.index.triton.tuning import ScoreTuning, set_tuning
 from fpv2.index.triton.workspace import words_per_segment
 from fpv2.kernel.contracts import BlockIndex, PagedPrefillBatch, num_key_blocks, num_query_tiles, tile_span
 from fpv2.kernel.reference.pooling import pool_blocks
@@ -281,6 +285,41 @@ def test_select_matches_reference(hq, hkv, d, page_size, tile, probe, dtype, rec
     assert got.group == hq // hkv and got.tile_size == tile and got.block_size == 16
 
 
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("probe", [1, 2, 3])
+def test_select_unmasked_steps_match_reference(block_n: int, probe: int, monkeypatch) -> None:
+    # Long enough prefixes that tiles have whole steps of blocks every row sees (scored without masks),
+    # followed by a masked step; two requests so the kernel's request lookup changes mid-walk.
+    w = planted_workload(
+        [70, 40],
+        [2300, 1500],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        block_size=16,
+        fraction=0.2,
+        margin=3.0,
+        dtype=torch.float16,
+        device=DEVICE,
+        seed=11 + probe,
+    )
+    config = _small_config(tile_size=32, probe_stride=probe, dense_tail_tiles=0)
+    stats = pool_blocks(w.k_cache, None, w.batch, block_size=16)
+    ref = select_blocks(w.q, w.batch, stats, config=config)
+    # Several pass-2 threshold steps and several compaction steps per segment (144 blocks).
+    monkeypatch.setattr(scoring, "PASS2_MAX_BLOCKS", 64)
+    monkeypatch.setattr(compaction, "MAX_STEP_BITS", 64)
+    previous = set_tuning(score=ScoreTuning(block_n=block_n, num_warps=4 if block_n == 64 else 8))
+    try:
+        got = select_blocks_triton(w.q, w.batch, stats, config=config, workspace=IndexWorkspace(max_programs=3))
+    finally:
+        set_tuning(score=previous[0])
+    ratios = _reference_ratios(w.q, w.batch, stats, config)
+    flips, scored = _compare(got, ref, ratios, config.alpha)
+    assert flips <= max(1, scored // 100)
+
+
 @pytest.mark.parametrize("probe", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_energies_match_reference(probe: int, dtype: torch.dtype) -> None:
@@ -367,9 +406,29 @@ def test_exact_nnz_false_pads_without_changing_the_index() -> None:
     padded = select_blocks_triton(q, w.batch, stats, config=config, exact_nnz=False)
     assert torch.equal(exact.offsets, padded.offsets)
     nnz = int(exact.offsets[-1])
-    assert padded.blocks.numel() == exact.visible_pairs(w.batch)
+    # Room for every visible pair, at most one block per segment more (the O(B) bound); spare entries are
+    # left uninitialised, which the contract allows (kernels never read past offsets[-1]).
+    assert exact.visible_pairs(w.batch) <= padded.blocks.numel() <= exact.visible_pairs(w.batch) + exact.num_segments
     assert torch.equal(padded.blocks[:nnz], exact.blocks)
-    assert bool((padded.blocks[nnz:] == -1).all())
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 7])
+@pytest.mark.parametrize("tile_size", [16, 64, 128])
+def test_capacity_bound_is_a_tight_upper_bound(group: int, tile_size: int) -> None:
+    gen = torch.Generator().manual_seed(group * tile_size)
+    q_lens = [0, 1, 5, 37, 200, 1000, *torch.randint(1, 3000, (4,), generator=gen).tolist()]
+    prefix = [0, 7, 0, 300, 129, 0, *torch.randint(0, 5000, (4,), generator=gen).tolist()]
+    batch = PagedPrefillBatch.contiguous(q_lens, [q + p for q, p in zip(q_lens, prefix)], page_size=16)
+    for block_size in (16, 128):
+        exact = 0
+        tiles = 0
+        for q_len, pre in zip(q_lens, prefix):
+            n = num_query_tiles(q_len, group, tile_size)
+            tiles += n
+            for t in range(n):
+                exact += tile_span(t, q_len, pre, group, tile_size=tile_size, block_size=block_size).num_visible_blocks
+        bound = capacity_bound(batch, group, tile_size, block_size)
+        assert exact <= bound <= exact + tiles, (block_size, exact, bound, tiles)
 
 
 def test_workspace_reuse_and_bound() -> None:
@@ -393,10 +452,13 @@ def test_workspace_reuse_and_bound() -> None:
     assert ws.nbytes == expected  # the smaller call reuses the buffers
     for got, q, batch, stats in outputs:  # reuse did not leak state from the first call
         fresh = select_blocks_triton(q, batch, stats, config=config)
-        assert torch.equal(got.offsets, fresh.offsets) and torch.equal(got.blocks, fresh.blocks)
+        nnz = int(fresh.offsets[-1])
+        assert torch.equal(got.offsets, fresh.offsets) and torch.equal(got.blocks[:nnz], fresh.blocks[:nnz])
 
 
-def test_compaction_matches_nonzero() -> None:
+@pytest.mark.parametrize("step_bits", [64, 1024])
+def test_compaction_matches_nonzero(step_bits: int, monkeypatch) -> None:
+    monkeypatch.setattr(compaction, "MAX_STEP_BITS", step_bits)
     gen = torch.Generator().manual_seed(3)
     num_segments, max_blocks = 9, 150
     words = words_per_segment(max_blocks)

@@ -4,9 +4,15 @@ Host-side data: both functions size their outputs and grids from
 ``batch.host`` (the batch's cached host copy of ``cu_seqlens_q`` and
 ``seqlens_k``, read once per batch) and never read device values otherwise.
 :func:`select_blocks_triton` makes no host sync by default: ``blocks`` is sized
-for every causally visible pair and the :class:`~fpv2.kernel.BlockIndex`
-contract lets it carry that spare capacity; ``exact_nnz=True`` trims it at the
-price of one 4-byte read of ``offsets[-1]``.
+by an upper bound on the causally visible pairs (:func:`capacity_bound`) and
+the :class:`~fpv2.kernel.BlockIndex` contract lets it carry that spare
+capacity; ``exact_nnz=True`` trims it at the price of one 4-byte read of
+``offsets[-1]``.
+
+Launches: pooling is one kernel (it writes ``block_offsets`` too); selection
+is four: the key preparation (scale and cast), the fused scoring/selection
+kernel (which also writes ``tile_offsets`` and ``offsets[0]``), a device
+prefix sum of the counts, and the compaction. Nothing is zero-filled.
 
 Both run on CUDA tensors, or on CPU tensors under the Triton interpreter
 (``TRITON_INTERPRET=1``, for tests).
@@ -29,9 +35,9 @@ from fpv2.kernel.contracts import (
 )
 
 from ..config import SelectionConfig
-from .compaction import launch_compact, segment_offsets
+from .compaction import launch_compact
 from .pooling import launch_pool
-from .scoring import DOT_BF16, DOT_FP16, DOT_FP32, launch_score_select
+from .scoring import DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, launch_prepare_keys, launch_score_select
 from .workspace import IndexWorkspace
 
 
@@ -104,17 +110,6 @@ def _check_cache(name: str, cache: object, batch: PagedPrefillBatch) -> torch.Te
     return cache
 
 
-def _block_rows(batch: PagedPrefillBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(block_offsets, block_request, total_blocks)``: offsets on the device, the total from ``batch.host``."""
-    total = sum(num_key_blocks(k, block_size) for k in batch.host.seqlens_k)
-    counts = (batch.seqlens_k + (block_size - 1)) // block_size
-    offsets = torch.zeros(batch.num_requests + 1, dtype=torch.int32, device=batch.device)
-    torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
-    rows = torch.arange(total, dtype=torch.int32, device=batch.device)
-    request = torch.searchsorted(offsets[1:], rows, right=True, out_int32=True)
-    return offsets, request, total
-
-
 def pool_blocks_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
@@ -129,7 +124,7 @@ def pool_blocks_triton(
     Block ``J`` of request ``b`` averages its valid tokens (the tail block over
     its real length), accumulated in fp32, after the FP8 descale of its
     (request, KV head). Same result as :func:`fpv2.kernel.reference.pooling.pool_blocks`.
-    No host sync beyond ``batch.host``.
+    One kernel launch (it also writes ``block_offsets``); no host sync beyond ``batch.host``.
 
     Args:
         k_cache: ``(num_pages, page_size, Hkv, d)`` key cache (fp16, bf16, fp32 or float8_e4m3fn).
@@ -163,15 +158,13 @@ def pool_blocks_triton(
     v_descale = _check_descale(
         "v_descale", v_descale, needed=fp8 and v_cache is not None, fp8=fp8, batch=batch, num_kv_heads=heads
     )
-    block_offsets, block_request, total = _block_rows(batch, block_size)
-    pooled_k, pooled_v, lengths = launch_pool(
+    total = sum(num_key_blocks(k, block_size) for k in batch.host.seqlens_k)
+    pooled_k, pooled_v, lengths, block_offsets = launch_pool(
         k_cache,
         v_cache,
         seqlens_k=batch.seqlens_k,
         page_table=batch.page_table,
         page_size=batch.page_size,
-        block_offsets=block_offsets,
-        block_request=block_request,
         total_blocks=total,
         block_size=block_size,
         k_descale=k_descale,
@@ -246,15 +239,31 @@ def _dot_kind(dtype: torch.dtype) -> int:
     return DOT_FP16  # fp16, and float8_e4m3fn upcast exactly
 
 
-def _visible_pairs(batch: PagedPrefillBatch, group: int, tile_size: int, block_size: int) -> int:
-    """Causally visible (tile, block) pairs per KV head: an upper bound on kept pairs (host values only)."""
+def capacity_bound(batch: PagedPrefillBatch, group: int, tile_size: int, block_size: int) -> int:
+    """An upper bound on the causally visible (tile, block) pairs per KV head, from host values in O(B).
+
+    Tile ``t`` of a request with ``n`` tiles sees ``(prefix + (min((t+1) T, q_len g) - 1) // g) // Bk + 1``
+    blocks. The last tile is counted exactly; for the others that is at most
+    ``(prefix + ((t+1) T - 1) / g) / Bk + 1``, whose sum over ``t < n - 1`` is
+    ``m + (m prefix g + T m (m+1) / 2 - m) / (g Bk)`` with ``m = n - 1``, rounded up: at most one block per
+    tile above the exact count, without a loop over tiles.
+
+    Args:
+        batch: the batch (its cached host view is read).
+        group: GQA group size ``g``.
+        tile_size: packed rows per tile ``T``.
+        block_size: tokens per key block ``Bk``.
+
+    Returns:
+        The bound (0 for a batch without query tiles).
+    """
     total = 0
     for q_len, prefix in zip(batch.host.q_lens, batch.host.prefix):
-        tiles = num_query_tiles(q_len, group, tile_size)
-        if tiles == 0:
-            continue
-        row_end = torch.clamp((torch.arange(tiles, dtype=torch.int64) + 1) * tile_size, max=q_len * group)
-        total += int(((prefix + (row_end - 1) // group) // block_size + 1).sum())
+        n = num_query_tiles(q_len, group, tile_size)
+        if n:
+            m = n - 1
+            numerator = m * prefix * group + tile_size * m * (m + 1) // 2 - m
+            total += m + -(-numerator // (group * block_size)) + (prefix + q_len - 1) // block_size + 1
     return total
 
 
@@ -271,10 +280,12 @@ def select_blocks_triton(
 ) -> BlockIndex:
     """Fused max-threshold selection: the same index as :func:`fpv2.index.reference.select_blocks`.
 
-    One persistent Triton kernel scores every (request, KV head, tile) segment in
-    a single pass over its candidate pooled keys and writes keep bits and counts
-    (see :mod:`fpv2.index.triton.scoring`); ``offsets`` is a device prefix sum of
-    the counts and a second kernel writes the ascending block ids
+    The pooled keys are prescaled to log2 logit units and cast to the dot dtype
+    (one small kernel); one persistent Triton kernel scores every (request, KV
+    head, tile) segment in a single pass over its candidate pooled keys and
+    writes keep bits and counts (see :mod:`fpv2.index.triton.scoring`);
+    ``offsets`` is a device prefix sum of the counts and a last kernel writes the
+    ascending block ids
     (:mod:`fpv2.index.triton.compaction`). Results equal the reference except for
     blocks whose energy ratio lies within rounding of ``alpha``.
 
@@ -290,8 +301,9 @@ def select_blocks_triton(
         workspace: scratch reused across calls; None allocates a fresh one for this call.
         exact_nnz: size ``blocks`` exactly, which reads ``offsets[-1]`` on the host (one 4-byte sync).
             With False (the default) there is no host sync: ``blocks`` has room for every causally
-            visible (tile, block) pair, its first ``offsets[-1]`` entries are the index and the rest
-            hold -1 (spare capacity, which the block index contract allows and kernels never read).
+            visible (tile, block) pair (:func:`capacity_bound`), its first ``offsets[-1]`` entries are
+            the index and the rest are left uninitialised (spare capacity, which the block index
+            contract allows and kernels never read).
 
     Returns:
         The :class:`~fpv2.kernel.BlockIndex` (built with ``check_values=False``), segment order
@@ -316,32 +328,33 @@ def select_blocks_triton(
     total_tiles = sum(num_query_tiles(n, group, tile_size) for n in host.q_lens)
     num_segments = heads * total_tiles
     max_blocks = max((num_key_blocks(k, block_size) for k in host.seqlens_k), default=0)
-    # Tile offsets from the device copy of cu_seqlens_q (no sync); equal to expected_tile_offsets(batch).
-    q_lens = batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]
-    tile_offsets = torch.zeros(batch.num_requests + 1, dtype=torch.int32, device=device)
-    torch.cumsum((q_lens * group + (tile_size - 1)) // tile_size, dim=0, dtype=torch.int32, out=tile_offsets[1:])
-    tile_request = torch.searchsorted(
-        tile_offsets[1:], torch.arange(total_tiles, dtype=torch.int32, device=device), right=True, out_int32=True
-    )
-
+    tile_offsets = torch.empty(batch.num_requests + 1, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_segments + 1, dtype=torch.int32, device=device)
+    if num_segments == 0:  # no query tiles: nothing to launch (the kernel would write these)
+        tile_offsets.zero_()
+        offsets.zero_()
+        return BlockIndex(
+            offsets, offsets.new_empty(0), tile_offsets, heads, group, tile_size, block_size, check_values=False
+        )
+    dot_kind = _dot_kind(q.dtype)
+    keys = launch_prepare_keys(statistics.pooled_k, config.scale_for(q.shape[2]) * LOG2E, dot_kind)
     num_programs = workspace.num_programs(num_segments, device)
     views = workspace.reserve(
         num_programs=num_programs, max_blocks=max_blocks, num_segments=num_segments, device=device
     )
     launch_score_select(
         q,
-        statistics.pooled_k,
+        keys,
         q_descale=q_descale,
         cu_seqlens_q=batch.cu_seqlens_q,
         seqlens_k=batch.seqlens_k,
-        tile_offsets=tile_offsets,
-        tile_request=tile_request,
         block_offsets=statistics.block_offsets,
+        tile_offsets=tile_offsets,
+        offsets=offsets,
         views=views,
-        num_work=num_segments,
+        total_tiles=total_tiles,
         num_programs=num_programs,
         group=group,
-        scale=config.scale_for(q.shape[2]),
         alpha=config.alpha,
         tile_size=tile_size,
         block_size=block_size,
@@ -350,14 +363,15 @@ def select_blocks_triton(
         window_tokens=config.window_tokens,
         dense_tail_tiles=config.dense_tail_tiles,
         min_sparse_kv_len=config.min_sparse_kv_len,
-        dot_kind=_dot_kind(q.dtype),
+        dot_kind=dot_kind,
         interpret=interpreter_enabled(),
     )
-    offsets = segment_offsets(views.counts)
+    torch.cumsum(views.counts, dim=0, dtype=torch.int32, out=offsets[1:])
     if exact_nnz:
         blocks = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)  # the one documented sync
     else:
-        capacity = heads * _visible_pairs(batch, group, tile_size, block_size)
-        blocks = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+        blocks = torch.empty(
+            heads * capacity_bound(batch, group, tile_size, block_size), dtype=torch.int32, device=device
+        )
     launch_compact(views.keep_bits, offsets, blocks)
     return BlockIndex(offsets, blocks, tile_offsets, heads, group, tile_size, block_size, check_values=False)

@@ -2,11 +2,13 @@
 
 The selection kernel leaves one bit per (segment, block) and one count per
 segment. ``offsets = [0, cumsum(counts)]`` is a single device scan; then one
-program per segment expands its bits chunk by chunk (64 blocks per chunk, two
-int32 words), ranks the set bits with an in-chunk prefix sum and writes their
-block ids to ``blocks[offsets[s] + rank]``. A program stops as soon as it has
-written its segment's count, so it never reads bits past the chunks the
-selection kernel wrote for that segment.
+program per segment expands its bits ``BITS`` at a time (the whole segment row,
+up to 1024 blocks, in one step at 128K tokens), ranks the set bits with a
+prefix sum and writes their block ids to ``blocks[offsets[s] + rank]``. A
+program stops as soon as it has written its segment's count. Words past those
+the selection kernel wrote for the segment (but inside its row) may be read in
+the last step: their bits rank at or after ``count`` (every written bit comes
+first), so they are never stored.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .workspace import CHUNK_BLOCKS, WORD_BITS
+from .workspace import WORD_BITS
+
+#: Largest number of keep bits expanded per step.
+MAX_STEP_BITS = 1024
 
 
 @triton.jit
@@ -24,8 +29,8 @@ def _compact_kernel(
     offsets_ptr,
     blocks_ptr,
     bits_stride,
-    num_chunks,
-    BLOCK_N: tl.constexpr,
+    num_words,
+    BITS: tl.constexpr,
     WORD: tl.constexpr,
 ):
     segment = tl.program_id(0)
@@ -33,17 +38,18 @@ def _compact_kernel(
     count = tl.load(offsets_ptr + segment + 1) - base
     bits_row = keep_bits_ptr + segment.to(tl.int64) * bits_stride
     lanes = tl.arange(0, WORD)
-    chunk = tl.arange(0, BLOCK_N)
-    words_i = tl.arange(0, BLOCK_N // WORD)
+    step = tl.arange(0, BITS)
+    words_i = tl.arange(0, BITS // WORD)
     written = count * 0
-    c = count * 0
-    while (written < count) & (c < num_chunks):
-        words = tl.load(bits_row + c * (BLOCK_N // WORD) + words_i)
-        bits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BLOCK_N,))
+    w0 = count * 0
+    while (written < count) & (w0 < num_words):
+        word_ids = w0 + words_i
+        words = tl.load(bits_row + word_ids, mask=word_ids < num_words, other=0)
+        bits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BITS,))
         rank = written + tl.cumsum(bits, axis=0) - 1
-        tl.store(blocks_ptr + base + rank, c * BLOCK_N + chunk, mask=(bits != 0) & (rank < count))
+        tl.store(blocks_ptr + base + rank, w0 * WORD + step, mask=(bits != 0) & (rank < count))
         written += tl.sum(bits, axis=0)
-        c += 1
+        w0 += BITS // WORD
 
 
 def segment_offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -72,13 +78,14 @@ def launch_compact(keep_bits: torch.Tensor, offsets: torch.Tensor, blocks: torch
     if num_segments == 0:
         return
     words = keep_bits.shape[1]
+    bits = min(MAX_STEP_BITS, max(WORD_BITS, triton.next_power_of_2(words * WORD_BITS)))
     _compact_kernel[(num_segments,)](
         keep_bits,
         offsets,
         blocks,
         keep_bits.stride(0),
-        words // (CHUNK_BLOCKS // WORD_BITS),
-        BLOCK_N=CHUNK_BLOCKS,
+        words,
+        BITS=bits,
         WORD=WORD_BITS,
-        num_warps=2,
+        num_warps=4 if bits >= 512 else 2,
     )

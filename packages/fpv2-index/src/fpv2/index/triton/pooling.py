@@ -1,11 +1,13 @@
-"""Paged mean pooling of K and V: one Triton program per (key block, KV head).
+"""Paged mean pooling of K and V: one Triton program per (key block, KV head), one launch in all.
 
-Each program reads its block's tokens straight out of the paged cache through
-the page table (any page size, 1 included), dequantises FP8 with the per
-(request, KV head) descale, accumulates in fp32 and divides by the block's
-valid length, so the tail block of a request averages over its real tokens.
-Output rows follow :class:`fpv2.kernel.BlockStatistics`: block ``J`` of request
-``b`` is row ``block_offsets[b] + J``.
+Each program finds its request with a vector prefix sum over ``seqlens_k``
+(no host-built block-to-request table), reads its block's tokens straight out
+of the paged cache through the page table (any page size, 1 included),
+dequantises FP8 with the per (request, KV head) descale, accumulates in fp32
+and divides by the block's valid length, so the tail block of a request
+averages over its real tokens. Output rows follow
+:class:`fpv2.kernel.BlockStatistics`: block ``J`` of request ``b`` is row
+``block_offsets[b] + J``; program ``(0, 0)`` writes ``block_offsets`` itself.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: Tokens loaded per step (bounded by the block size).
-POOL_TOKENS = 32
+from . import tuning
 
 
 @triton.jit
@@ -25,7 +26,6 @@ def _pool_kernel(
     pooled_k_ptr,
     pooled_v_ptr,
     lengths_ptr,
-    block_request_ptr,
     block_offsets_ptr,
     seqlens_k_ptr,
     page_table_ptr,
@@ -39,23 +39,35 @@ def _pool_kernel(
     stride_v_head,
     stride_table,
     page_size,
+    num_requests,
     num_kv_heads,
     head_dim,
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     HAS_V: tl.constexpr,
     HAS_K_DESCALE: tl.constexpr,
     HAS_V_DESCALE: tl.constexpr,
 ):
     row = tl.program_id(0)  # global block row (block_offsets[b] + J)
     head = tl.program_id(1)
-    b = tl.load(block_request_ptr + row)
-    block = row - tl.load(block_offsets_ptr + b)
-    kv_len = tl.load(seqlens_k_ptr + b)
+    # ---- the request of this row: prefix sum of blocks per request (B lanes)
+    req = tl.arange(0, BLOCK_B)
+    req_ok = req < num_requests
+    lens = tl.load(seqlens_k_ptr + req, mask=req_ok, other=0)
+    nblocks = (lens + (BLOCK_SIZE - 1)) // BLOCK_SIZE
+    ends = tl.cumsum(nblocks, axis=0)
+    b = tl.sum((req_ok & (ends <= row)).to(tl.int32), axis=0)
+    sel = req == b
+    kv_len = tl.sum(tl.where(sel, lens, 0), axis=0)
+    block = row - tl.sum(tl.where(sel, ends - nblocks, 0), axis=0)
+    writer = (row == 0) & (head == 0)
+    tl.store(block_offsets_ptr + 1 + req, ends, mask=req_ok & writer)
+    tl.store(block_offsets_ptr + req, req * 0, mask=(req == 0) & writer)
+
     start = block * BLOCK_SIZE
     length = tl.minimum(kv_len - start, BLOCK_SIZE)
-
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     k_scale = 1.0
@@ -78,17 +90,17 @@ def _pool_kernel(
         mask = tok_ok[:, None] & dim_ok[None, :]
         k_addr = page * stride_k_page + slot * stride_k_slot + head * stride_k_head
         k = tl.load(k_ptr + k_addr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_k += tl.sum(k * k_scale, axis=0)
+        acc_k += tl.sum(k, axis=0)
         if HAS_V:
             v_addr = page * stride_v_page + slot * stride_v_slot + head * stride_v_head
             v = tl.load(v_ptr + v_addr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc_v += tl.sum(v * v_scale, axis=0)
+            acc_v += tl.sum(v, axis=0)
 
     inv_len = 1.0 / length.to(tl.float32)
     out = (row.to(tl.int64) * num_kv_heads + head) * head_dim + dims
-    tl.store(pooled_k_ptr + out, acc_k * inv_len, mask=dim_ok)
+    tl.store(pooled_k_ptr + out, acc_k * (k_scale * inv_len), mask=dim_ok)
     if HAS_V:
-        tl.store(pooled_v_ptr + out, acc_v * inv_len, mask=dim_ok)
+        tl.store(pooled_v_ptr + out, acc_v * (v_scale * inv_len), mask=dim_ok)
     tl.store(lengths_ptr + row, length, mask=head == 0)
 
 
@@ -99,13 +111,11 @@ def launch_pool(
     seqlens_k: torch.Tensor,
     page_table: torch.Tensor,
     page_size: int,
-    block_offsets: torch.Tensor,
-    block_request: torch.Tensor,
     total_blocks: int,
     block_size: int,
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Run the pooling kernel over every block of the batch (inputs checked by the caller).
 
     Args:
@@ -114,24 +124,26 @@ def launch_pool(
         seqlens_k: ``(B,) int32`` KV lengths.
         page_table: ``(B, max_pages) int32`` page table, unit stride along pages.
         page_size: tokens per page.
-        block_offsets: ``(B+1,) int32`` cumulative blocks per request (device).
-        block_request: ``(total_blocks,)`` request of each block row (device).
-        total_blocks: number of block rows.
+        total_blocks: number of block rows (from the batch's host copy of ``seqlens_k``).
         block_size: tokens per block.
         k_descale: ``(B, Hkv) float32`` contiguous or None.
         v_descale: ``(B, Hkv) float32`` contiguous or None.
 
     Returns:
-        ``(pooled_k, pooled_v or None, block_lengths)``: ``(total_blocks, Hkv, d) float32`` pooled vectors
-        and ``(total_blocks,) int32`` valid tokens per block.
+        ``(pooled_k, pooled_v or None, block_lengths, block_offsets)``: ``(total_blocks, Hkv, d) float32``
+        pooled vectors, ``(total_blocks,) int32`` valid tokens per block and ``(B+1,) int32`` cumulative
+        blocks per request.
     """
     _, _, num_kv_heads, head_dim = k_cache.shape
     device = k_cache.device
+    num_requests = seqlens_k.numel()
     pooled_k = torch.empty(total_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
     pooled_v = torch.empty_like(pooled_k) if v_cache is not None else None
     lengths = torch.empty(total_blocks, dtype=torch.int32, device=device)
     if total_blocks == 0 or num_kv_heads == 0:
-        return pooled_k, pooled_v, lengths
+        return pooled_k, pooled_v, lengths, torch.zeros(num_requests + 1, dtype=torch.int32, device=device)
+    block_offsets = torch.empty(num_requests + 1, dtype=torch.int32, device=device)
+    knobs = tuning.POOL
     v_arg = v_cache if v_cache is not None else k_cache
     _pool_kernel[(total_blocks, num_kv_heads)](
         k_cache,
@@ -139,7 +151,6 @@ def launch_pool(
         pooled_k,
         pooled_v if pooled_v is not None else pooled_k,
         lengths,
-        block_request,
         block_offsets,
         seqlens_k,
         page_table,
@@ -153,14 +164,16 @@ def launch_pool(
         v_arg.stride(2),
         page_table.stride(0),
         page_size,
+        num_requests,
         num_kv_heads,
         head_dim,
         BLOCK_SIZE=block_size,
-        TOKENS=min(POOL_TOKENS, block_size),
+        TOKENS=min(knobs.tokens, block_size),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_B=max(2, triton.next_power_of_2(num_requests)),
         HAS_V=v_cache is not None,
         HAS_K_DESCALE=k_descale is not None,
         HAS_V_DESCALE=v_descale is not None,
-        num_warps=4,
+        num_warps=knobs.num_warps,
     )
-    return pooled_k, pooled_v, lengths
+    return pooled_k, pooled_v, lengths, block_offsets

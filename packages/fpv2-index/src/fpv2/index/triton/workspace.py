@@ -28,12 +28,13 @@ from typing import NamedTuple
 
 import torch
 
+from . import tuning
+
 #: Pooled keys per step of the fused pass; also the granule of the keep bits (two int32 words).
 CHUNK_BLOCKS = 64
 #: Bits per keep-bit word (int32 words).
 WORD_BITS = 32
-#: Persistent programs per streaming multiprocessor on CUDA.
-PROGRAMS_PER_SM = 2
+#: Persistent programs per streaming multiprocessor on CUDA: :attr:`.tuning.ScoreTuning.programs_per_sm`.
 #: Persistent programs under the Triton interpreter (it runs programs one by one anyway).
 INTERPRETER_PROGRAMS = 8
 
@@ -75,7 +76,7 @@ class IndexWorkspace:
     Args:
         device: device of the buffers; ``None`` adopts the device of the first call.
         max_programs: cap on the persistent grid size ``P`` (``None``: 2 per SM on
-            CUDA, 8 under the Triton interpreter). Smaller means less scratch and
+            CUDA by default, see :mod:`.tuning`; 8 under the Triton interpreter). Smaller means less scratch and
             less parallelism.
 
     Raises:
@@ -127,7 +128,7 @@ class IndexWorkspace:
         if self.max_programs is not None:
             cap = self.max_programs
         elif device.type == "cuda":
-            cap = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+            cap = tuning.SCORE.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         else:
             cap = INTERPRETER_PROGRAMS
         return max(1, min(num_work, cap))
