@@ -199,7 +199,8 @@ summary, results, pngs = [], [], []
 
 def relative(text: str) -> str:
     """Results get committed: keep this machine's folders out of them."""
-    return text.replace(str(work), "<workdir>").replace(root, ".")
+    text = text.replace(str(work), "<workdir>")
+    return text.replace(root, ".") if root else text
 
 
 for folder in sorted(work.glob("bench-L*"), key=lambda p: int(p.name[len("bench-L"):])):
@@ -258,7 +259,7 @@ main() {
 }
 
 export -f fpv2 step_gpu_info step_tests step_bench step_collect 2>/dev/null
-export PYTHON OUT WORK
+export PYTHON OUT WORK ROOT
 main 2>&1 | tee "$OUT/device_check.log"
 rc=${PIPESTATUS[0]}
 rm -rf "$WORK"
