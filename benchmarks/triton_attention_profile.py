@@ -1,29 +1,31 @@
-"""Profile and tune the Triton attention kernel on a GPU: correction cost split and dense-mode launch parameters.
+"""Profile and tune the Triton attention kernel on a GPU: correction cost, launch parameters, pipeline split.
 
 Sparse part (default L = 128K): one planted workload, one block index and one set of
 pooled statistics from the pipeline (max_threshold, alpha 0.1), then the attention
 kernel alone is timed under several variants on those same inputs:
 
 - the kernel as it was before this work (``--baseline``: the module
-  ``fpv2.kernel.triton_baseline``, a copy of the old kernel with a profiling knob,
-  carried to the device and not committed): no correction; correction with the
-  in-kernel CSR scan; with todo words precomputed; correction without its PV update;
-  only the todo derivation (no correction math);
-- the current kernel: no correction, its table configuration, and the launch
-  overrides named below (correction step, pipelining depth, grid order), plus the
-  same with todo words handed in (so the word-building kernel's cost shows).
+  ``fpv2.kernel.triton_baseline``, a copy of the old kernel with a profiling knob
+  ``corr_part``, carried to the device and not committed): no correction, and the
+  correction with its in-kernel CSR scan (the profile of that kernel, with todo
+  words precomputed, without the PV update and with the todo derivation alone, was
+  run from this script at commit 5deeae5);
+- the current kernel with and without the correction: its tuning table's
+  configuration and the full launch configurations listed below, plus the table
+  with todo words handed in (so the word-building kernel's cost shows).
 
 Every sparse output is compared with the kernel's own dense mode on the same inputs
 (``rel_err``; the dense mode itself is 0.0021 from fp32 at 128K, measured earlier).
 
-Dense part (default L = 32K): the kernel's dense mode (``index=None``) under launch
-overrides, and the old kernel's dense mode. Then the whole pipeline (index /
-correction plan / attention stage split) at the sparse length, with and without the
-correction.
+Dense part (default L = 32K): the dense mode (``index=None``) in bf16 and e4m3 under
+the launch configurations below (``rel_err`` against the first, bf16 row), and the
+old kernel's dense mode. The whole pipeline (index / correction plan / attention
+stage split) runs at both lengths, with and without the correction.
 
 Variants compile in parallel worker processes on a small input first (Triton's
 on-disk cache then serves the timed process). Timings: CUDA events, median of
-``--repeats`` runs after ``--warmup`` (``fpv2.serving.timing``).
+``--repeats`` runs after ``--warmup`` (``fpv2.serving.timing``). ``--wait-file``
+holds the timing back until another job on the GPU (tests) has finished.
 
 Usage (from the repository root, the four packages' ``src`` on ``PYTHONPATH``):
 ``python benchmarks/triton_attention_profile.py --device cuda:0 --out OUT [--baseline]``
@@ -32,7 +34,6 @@ Usage (from the repository root, the four packages' ``src`` on ``PYTHONPATH``):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import multiprocessing as mp
@@ -45,45 +46,72 @@ import torch
 SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=1)
 COMPILE_L = 8192
 
-#: Launch overrides of the current kernel, applied on top of its tuning table entry.
+
+def cfg(block_n: int, warps: int, stages: int, step: int = 64, corr_stages: int = 1, reverse: bool = True) -> dict:
+    """A full launch configuration of the current kernel (the fields of ``LaunchConfig``)."""
+    return dict(
+        block_n=block_n,
+        num_warps=warps,
+        num_stages=stages,
+        correction_step=step,
+        correction_stages=corr_stages,
+        reverse_grid=reverse,
+    )
+
+
+#: Current kernel, sparse with correction: launch configurations (None: the tuning table's).
+CORRECTION_NEW = {
+    "table": None,
+    "n128w8s3_step64_cs2": cfg(128, 8, 3, 64, 2),
+    "n32w4s3_step32_cs2": cfg(32, 4, 3, 32, 2),
+    "n32w4s3_step32_cs1": cfg(32, 4, 3, 32, 1),
+    "n32w4s3_step16_cs2": cfg(32, 4, 3, 16, 2),
+}
+#: Current kernel, sparse without correction.
 SPARSE_NEW = {
-    "table": {},
-    "step64_stages1": dict(correction_step=64, correction_stages=1),
-    "step64_stages3": dict(correction_step=64, correction_stages=3),
-    "step128_stages2": dict(correction_step=128, correction_stages=2),
-    "step32_stages2": dict(correction_step=32, correction_stages=2),
-    "segment_order": dict(reverse_grid=False),
+    "table": None,
+    "n128w8s3_segment_order": cfg(128, 8, 3, reverse=False),
+    "n64w4s3": cfg(64, 4, 3),
+    "n32w4s3": cfg(32, 4, 3),
 }
-#: Profiling parts of the old kernel (its CORR_PART knob): 0 full, 1 no PV update, 2 todo words only.
-SPARSE_OLD = {
-    "scan_split": ("derive", 0),
-    "words_split": ("words", 0),
-    "scan_split_noPV": ("derive", 1),
-    "scan_todo_only": ("derive", 2),
-}
+#: Current kernel, dense mode (bf16 and e4m3).
 DENSE_NEW = {
-    "n128_w8_s3": dict(block_n=128, num_warps=8, num_stages=3),
-    "n128_w8_s2": dict(block_n=128, num_warps=8, num_stages=2),
-    "n128_w8_s3_segment_order": dict(block_n=128, num_warps=8, num_stages=3, reverse_grid=False),
-    "n64_w8_s3": dict(block_n=64, num_warps=8, num_stages=3),
-    "n64_w8_s4": dict(block_n=64, num_warps=8, num_stages=4),
-    "n64_w4_s3": dict(block_n=64, num_warps=4, num_stages=3),
+    "table": None,
+    "n128w8s3": cfg(128, 8, 3),
+    "n128w8s3_segment_order": cfg(128, 8, 3, reverse=False),
+    "n64w4s3_segment_order": cfg(64, 4, 3, reverse=False),
+    "n64w4s2": cfg(64, 4, 2),
+    "n64w4s4": cfg(64, 4, 4),
+    "n32w4s3": cfg(32, 4, 3),
+    "n32w4s3_segment_order": cfg(32, 4, 3, reverse=False),
+    "n32w4s4": cfg(32, 4, 4),
 }
+DENSE_FP8_NEW = {
+    "table": None,
+    "n128w8s3_segment_order": cfg(128, 8, 3, reverse=False),
+    "n64w4s3": cfg(64, 4, 3),
+    "n32w4s3": cfg(32, 4, 3),
+}
+#: The old kernel (``--baseline``): (plan, CORR_PART profiling knob: 0 full, 1 no PV update, 2 todo words only).
+SPARSE_OLD = {"none": (None, 0), "scan_split": ("derive", 0)}
 
 
 def variants(baseline: bool) -> list[dict]:
     """Every kernel call to time, as plain dicts (they travel to the compile workers)."""
-    out = [dict(name="new/none", module="new", mode="sparse", plan=None, launch=None)]
-    for name, over in SPARSE_NEW.items():
-        out.append(dict(name=f"new/{name}", module="new", mode="sparse", plan="derive", launch=over))
-    out.append(dict(name="new/table_words_given", module="new", mode="sparse", plan="words", launch={}))
-    for name, over in DENSE_NEW.items():
-        out.append(dict(name=f"new/dense_{name}", module="new", mode="dense", plan=None, launch=over))
+    out = []
+    for name, launch in CORRECTION_NEW.items():
+        out.append(dict(name=f"new/corr_{name}", module="new", mode="sparse", plan="derive", launch=launch))
+    out.append(dict(name="new/corr_table_words_given", module="new", mode="sparse", plan="words", launch=None))
+    for name, launch in SPARSE_NEW.items():
+        out.append(dict(name=f"new/sparse_{name}", module="new", mode="sparse", plan=None, launch=launch))
+    for name, launch in DENSE_NEW.items():
+        out.append(dict(name=f"new/dense_{name}", module="new", mode="dense", plan=None, launch=launch))
+    for name, launch in DENSE_FP8_NEW.items():
+        out.append(dict(name=f"new/dense_fp8_{name}", module="new", mode="dense", plan=None, launch=launch, fp8=True))
     if baseline:
-        out.append(dict(name="old/none", module="old", mode="sparse", plan=None))
         for name, (plan, part) in SPARSE_OLD.items():
             out.append(dict(name=f"old/{name}", module="old", mode="sparse", plan=plan, corr_part=part))
-        out.append(dict(name="old/dense_n128_w8_s3", module="old", mode="dense", plan=None))
+        out.append(dict(name="old/dense", module="old", mode="dense", plan=None))
     return out
 
 
@@ -120,19 +148,33 @@ class Inputs:
                 "words": CorrectionPlan(self.stats, offsets, words),
             }
 
+    def fp8(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """e4m3 copies of Q/K/V with per (request, KV head) descales (made once)."""
+        if not hasattr(self, "_fp8"):
+            from fpv2.kernel.reference.fp8 import quantize_cache, quantize_queries
+
+            wl = self.wl
+            q8, qd = quantize_queries(wl.q, wl.batch, SHAPE["num_kv_heads"])
+            k8, kd = quantize_cache(wl.k_cache, wl.batch)
+            v8, vd = quantize_cache(wl.v_cache, wl.batch)
+            self._fp8 = (q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd))
+        return self._fp8
+
     def call(self, v: dict):
         """A zero-argument callable running variant ``v`` on these inputs."""
         mod = _module(v["module"])
         wl = self.wl
-        kwargs: dict[str, object] = {}
+        q, k, v_cache, kwargs = wl.q, wl.k_cache, wl.v_cache, {}
+        if v.get("fp8"):
+            q, k, v_cache, descales = self.fp8()
+            kwargs.update(descales)
         if v["module"] == "new" and v.get("launch") is not None:
-            base = mod.launch_config(SHAPE["head_dim"], 128)
-            kwargs["launch"] = dataclasses.replace(base, **v["launch"])
+            kwargs["launch"] = mod.LaunchConfig(**v["launch"])
         if v["module"] == "old" and v.get("corr_part"):
             kwargs["corr_part"] = v["corr_part"]
         index = None if v["mode"] == "dense" else self.index
         plan = self.plans[v["plan"]] if v.get("plan") else None
-        return lambda: mod.sparse_attention_triton(wl.q, wl.k_cache, wl.v_cache, wl.batch, index, plan=plan, **kwargs)
+        return lambda: mod.sparse_attention_triton(q, k, v_cache, wl.batch, index, plan=plan, **kwargs)
 
 
 def _compile_worker(args: tuple[str, list[dict]]) -> list[tuple[str, float, str]]:
@@ -170,6 +212,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--baseline", action="store_true", help="also time fpv2.kernel.triton_baseline")
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--wait-file", default="", help="before timing, wait (up to --wait-max s) for this file")
+    parser.add_argument("--wait-max", type=float, default=150.0)
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -193,6 +237,12 @@ def main() -> None:
     pool.close()
     failed = {name: why for name, _, why in compile_report if why != "ok"}
     log(f"compiled; slowest {max((s for _, s, _ in compile_report), default=0):.1f}s; failed: {failed or 'none'}")
+
+    if args.wait_file:
+        waited = time.perf_counter()
+        while not Path(args.wait_file).exists() and time.perf_counter() - waited < args.wait_max:
+            time.sleep(1.0)
+        log(f"waited {time.perf_counter() - waited:.0f}s for {args.wait_file}")
 
     records: list[dict] = []
     path = out_dir / "triton_profile.json"
@@ -254,43 +304,48 @@ def main() -> None:
         out = time_variant(sparse, v, ref)
         if v["name"] == "old/scan_split":
             base_out = out
-        elif v["name"] == "new/table" and base_out is not None and out is not None:
+        elif v["name"] == "new/corr_table" and base_out is not None and out is not None:
             records[-1]["rel_diff_vs_old_scan_split"] = round(relative_l2_error(out, base_out), 6)
         del out
     del base_out
 
-    # ---- whole pipeline at the long length: stage split
+    # ---- whole pipeline: stage split
     from fpv2.index import SelectionConfig
 
+    def time_pipeline(wl, reference: torch.Tensor) -> None:
+        for correction in (True, False):
+            pipe = SparsePrefillPipeline(SelectionConfig(alpha=0.1), correction=correction, backend="triton")
+            stages = []
+
+            def collect(result, timed, stages=stages):
+                if timed:
+                    stages.append(result.timings)
+
+            samples, result = timed_samples(
+                lambda pipe=pipe, wl=wl: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch),
+                args.warmup,
+                args.repeats,
+                device,
+                on_call=collect,
+            )
+            seqlen = int(wl.q.shape[0])
+            rec = dict(
+                name=f"pipeline/{'correction' if correction else 'no_correction'}",
+                L=seqlen,
+                ms=round(median(samples), 4),
+                index_ms=round(median([s.index_ms for s in stages]), 4),
+                correction_ms=round(median([s.correction_ms for s in stages]), 4),
+                attention_ms=round(median([s.attention_ms for s in stages]), 4),
+                rel_err=round(relative_l2_error(result.out, reference), 5),
+                density=round(result.index.density(wl.batch), 5),
+            )
+            records.append(rec)
+            dump()
+            log(f"{rec['name']:<34} {rec['ms']:8.3f} ms (index {rec['index_ms']}, attention {rec['attention_ms']})")
+            del result
+
     wl = sparse.wl
-    for correction in (True, False):
-        pipe = SparsePrefillPipeline(SelectionConfig(alpha=0.1), correction=correction, backend="triton")
-        stages = []
-
-        def collect(result, timed, stages=stages):
-            if timed:
-                stages.append(result.timings)
-
-        samples, result = timed_samples(
-            lambda pipe=pipe, wl=wl: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch),
-            args.warmup,
-            args.repeats,
-            device,
-            on_call=collect,
-        )
-        rec = dict(
-            name=f"pipeline/{'correction' if correction else 'no_correction'}",
-            L=sparse.seqlen,
-            ms=round(median(samples), 4),
-            index_ms=round(median([s.index_ms for s in stages]), 4),
-            correction_ms=round(median([s.correction_ms for s in stages]), 4),
-            attention_ms=round(median([s.attention_ms for s in stages]), 4),
-            rel_err=round(relative_l2_error(result.out, ref), 5),
-            density=round(result.index.density(wl.batch), 5),
-        )
-        records.append(rec)
-        log(f"{rec['name']:<34} {rec['ms']:8.3f} ms (index {rec['index_ms']}, attention {rec['attention_ms']})")
-        del result
+    time_pipeline(wl, ref)
     del ref, sparse, wl
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -304,6 +359,8 @@ def main() -> None:
         if dense_ref is None and out is not None:
             dense_ref = out  # later dense variants must agree with the first
         del out
+    if dense_ref is not None:
+        time_pipeline(dense.wl, dense_ref)
 
     summary = dump(complete=True)
     print(f"\n{'variant':<36} {'L':>7} {'ms':>9} {'TFLOP/s':>8} {'rel_err':>8}")

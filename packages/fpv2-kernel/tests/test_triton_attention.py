@@ -414,6 +414,17 @@ def test_statistics_of_another_batch_are_refused_without_a_host_read(paged_case,
     assert torch.isfinite(out).all()
 
 
+def test_launch_table_has_an_entry_per_mode():
+    """Dense mode, sparse and sparse with correction compile separately and may differ; block_n is clamped."""
+    from fpv2.kernel.triton.tuning import MODE_OVERRIDES, TUNING_TABLE
+
+    assert launch_config(128, 128, "dense") == MODE_OVERRIDES[(128, "dense", False)] != TUNING_TABLE[128]
+    assert launch_config(128, 128, "dense", fp8=True) == TUNING_TABLE[128] == launch_config(128, 128)
+    assert launch_config(128, 32, "sparse").block_n == 32
+    with pytest.raises(ValueError, match="mode"):
+        launch_config(128, 128, "paged")
+
+
 def test_launch_override_is_checked(paged_case, hand_index, device):
     case = paged_case([40], [100], num_q_heads=2, num_kv_heads=2, page_size=16, dtype=torch.float16, device=device)
     index, _ = hand_index(case.batch, num_kv_heads=2, group=1, tile_size=BLOCK_M, block_size=32)

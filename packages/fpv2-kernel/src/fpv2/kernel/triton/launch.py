@@ -151,7 +151,11 @@ def sparse_attention_triton(
             )
         _check_plan(plan, index, batch, shapes, q.device)
     scale = _resolve_scale(softmax_scale, shapes.head_dim)
-    config = launch_config(shapes.head_dim, block_size) if launch is None else _check_launch(launch, block_size)
+    if launch is None:
+        mode = "dense" if index is None else "sparse" if plan is None else "correction"
+        config = launch_config(shapes.head_dim, block_size, mode, fp8=shapes.is_fp8)
+    else:
+        config = _check_launch(launch, block_size)
 
     out_dtype = torch.bfloat16 if shapes.is_fp8 else q.dtype
     expected_out = (q.shape[0], shapes.num_q_heads, shapes.head_dim)

@@ -1,28 +1,30 @@
-"""Launch parameters of the Triton kernel: a small fixed table per head dimension (no autotuning at import).
+"""Launch parameters of the Triton kernel: a small fixed table per head dimension and mode (no autotuning).
 
 The query tile is not tunable: ``BLOCK_M`` is the index tile size (128 packed
 rows). What is tuned is the key sub-tile ``BLOCK_N`` (a key block of 128
-tokens is processed as ``128 / BLOCK_N`` sub-tiles), the number of warps and
-the software-pipelining depth of the unmasked block loop.
+tokens is processed as ``128 / BLOCK_N`` sub-tiles), the number of warps, the
+software-pipelining depth of the unmasked block loop, the correction step and
+its pipelining depth, and the order of the grid. The three modes compile to
+different kernels (``DENSE`` and ``CORRECTION`` are compile-time switches), so
+each has its own entry: the mean correction needs the most registers, the dense
+mode the fewest.
 
-Table (chosen from ptxas resource usage with and without the mean correction,
-then for ``d = 128`` timed on an H200, dense mode, B=1, L=16K, Hq/Hkv=32/8, bf16:
-``(64, 8, 3)`` 6.27 ms, ``(128, 8, 3)`` 5.56 ms (395 TFLOP/s; torch SDPA flash
-6.38 ms, cuDNN 3.75 ms), ``(64, 4, 3)`` 4.93 ms but it spills registers once the
-correction is compiled in; e4m3: ``(128, 8, 3)`` 9.0 ms, ``(64, 8, 3)`` 10.1 ms):
+Base table (sparse with correction; also sparse without, unless overridden):
 
-======== ======= ========= ========== ===============
-head dim BLOCK_N num_warps num_stages correction step
-======== ======= ========= ========== ===============
-64       64      4         3          64
-128      128     8         3          64
-256      32      8         2          32
-======== ======= ========= ========== ===============
+======== ======= ========= ========== =============== ================= =======
+head dim BLOCK_N num_warps num_stages correction step correction stages reverse
+======== ======= ========= ========== =============== ================= =======
+64       64      4         3          64              1                 yes
+128      128     8         3          64              1                 yes
+256      32      8         2          32              2                 yes
+======== ======= ========= ========== =============== ================= =======
 
-At ``d = 256`` the ``128 x 256`` fp32 accumulator takes half the registers of 8
-warps: the plain loop fits without spilling, the correction step spills a little
-(and FP8 at ``d = 256`` spills in the main loop too); the 64- and 256-dim rows are
-not timed yet.
+Overrides: see :data:`MODE_OVERRIDES`. Measurements behind the ``d = 128`` rows
+(H200, B=1, Hq/Hkv = 32/8, bf16, page size 1, planted workload, attention kernel
+alone): ``benchmarks/results/2026-11-29-h200-triton-tuning/``. Chosen without
+timing (ptxas resource usage only): the 64- and 256-dim rows (no register
+spills with the correction compiled in; at ``d = 64`` a pipelined correction
+loop spills, so it is not pipelined).
 """
 
 from __future__ import annotations
@@ -54,35 +56,49 @@ class LaunchConfig:
     reverse_grid: bool = True
 
 
-#: Launch parameters per head dimension (see the module docstring).
+#: Launch parameters per head dimension (see the module docstring): sparse attention with correction.
 TUNING_TABLE: dict[int, LaunchConfig] = {
     64: LaunchConfig(block_n=64, num_warps=4, num_stages=3, correction_stages=1),
-    128: LaunchConfig(block_n=128, num_warps=8, num_stages=3),
+    128: LaunchConfig(block_n=128, num_warps=8, num_stages=3, correction_stages=1),
     256: LaunchConfig(block_n=32, num_warps=8, num_stages=2, correction_step=32),
+}
+
+#: Kernel modes: dense (no index), sparse without correction, sparse with correction.
+MODES = ("dense", "sparse", "correction")
+
+#: Entries that differ from :data:`TUNING_TABLE` for one ``(head dim, mode, fp8)``.
+MODE_OVERRIDES: dict[tuple[int, str, bool], LaunchConfig] = {
+    # 4 warps: the accumulator and logits fit two programs per SM, which overlap each
+    # other's softmax and products; with the correction compiled in this spills.
+    (128, "dense", False): LaunchConfig(block_n=64, num_warps=4, num_stages=3),
 }
 
 #: Smallest key sub-tile ``tl.dot`` accepts.
 MIN_BLOCK_N = 16
 
 
-def launch_config(head_dim: int, block_size: int) -> LaunchConfig:
-    """The launch parameters for ``head_dim``, with ``BLOCK_N`` clamped to the key block size.
+def launch_config(head_dim: int, block_size: int, mode: str = "correction", *, fp8: bool = False) -> LaunchConfig:
+    """The launch parameters for ``head_dim`` and ``mode``, with ``BLOCK_N`` clamped to the key block size.
 
     Args:
         head_dim: ``d`` (64, 128 or 256).
         block_size: tokens per key block of the index (a power of two >= 16).
+        mode: ``"dense"`` (no index), ``"sparse"`` or ``"correction"`` (sparse with a plan).
+        fp8: float8_e4m3fn inputs.
 
     Returns:
         The :class:`LaunchConfig` to compile and launch with.
 
     Raises:
-        ValueError: ``head_dim`` has no entry, or ``block_size`` is below 16.
+        ValueError: ``head_dim`` has no entry, an unknown ``mode``, or ``block_size`` below 16.
     """
     if head_dim not in TUNING_TABLE:
         raise ValueError(f"head_dim={head_dim} has no Triton launch configuration; supported: {sorted(TUNING_TABLE)}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
     if block_size < MIN_BLOCK_N:
         raise ValueError(f"block_size={block_size} is below the smallest key sub-tile {MIN_BLOCK_N} of the kernel")
-    config = TUNING_TABLE[head_dim]
+    config = MODE_OVERRIDES.get((head_dim, mode, fp8), TUNING_TABLE[head_dim])
     if config.block_n > block_size:
         config = dataclasses.replace(config, block_n=block_size)
     return config
