@@ -185,8 +185,10 @@ def _correct_chunk(
         s = tl.dot(q_c, tl.trans(kbar), input_precision="ieee")
     else:
         s = tl.dot(q_c, tl.trans(kbar))
+    # Per-column bias: log2 |B_J| on todo columns, -inf elsewhere (s is finite, so one FMA).
     log2_len = tl.log2(tl.load(block_lengths + stat, mask=eligible, other=1).to(tl.float32))
-    s = tl.where(todo[None, :], s * corr_scale + log2_len[None, :], float("-inf"))
+    bias = tl.where(todo, log2_len, float("-inf"))
+    s = s * corr_scale + bias[None, :]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A chunk may hold no todo column, and a row may have seen no key: no inf - inf.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
