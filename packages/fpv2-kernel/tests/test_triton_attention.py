@@ -419,7 +419,7 @@ def test_launch_table_has_an_entry_per_mode():
     from fpv2.kernel.triton.tuning import MODE_OVERRIDES, TUNING_TABLE
 
     assert launch_config(128, 128, "dense") == MODE_OVERRIDES[(128, "dense", False)] != TUNING_TABLE[128]
-    assert launch_config(128, 128, "dense", fp8=True) == TUNING_TABLE[128] == launch_config(128, 128)
+    assert launch_config(128, 128, "sparse", fp8=True) == TUNING_TABLE[128] == launch_config(128, 128)
     assert launch_config(128, 32, "sparse").block_n == 32
     with pytest.raises(ValueError, match="mode"):
         launch_config(128, 128, "paged")

@@ -289,7 +289,9 @@ def _correction_operands(stats: BlockStatistics, corr_kind: int) -> tuple[torch.
     or bf16 (two small ``(total_blocks, Hkv, d)`` arrays per call), so the correction
     runs on the tensor cores like the main loop. Pooled keys are means of the 16-bit
     keys themselves and pooled values enter only the pruned blocks' share of each row,
-    so the rounding is of the order of the inputs' own (measured: see tuning.py).
+    so the rounding is of the order of the inputs' own: on an H200 at 128K (planted
+    workload, alpha 0.1) the relative error vs dense stays 0.0444, as with the former
+    two-term (head + remainder) operands.
     """
     pooled_k = stats.pooled_k.contiguous()
     pooled_v = stats.pooled_v.contiguous()

@@ -19,12 +19,28 @@ head dim BLOCK_N num_warps num_stages correction step correction stages reverse
 256      32      8         2          32              2                 yes
 ======== ======= ========= ========== =============== ================= =======
 
-Overrides: see :data:`MODE_OVERRIDES`. Measurements behind the ``d = 128`` rows
-(H200, B=1, Hq/Hkv = 32/8, bf16, page size 1, planted workload, attention kernel
-alone): ``benchmarks/results/2026-11-29-h200-triton-tuning/``. Chosen without
-timing (ptxas resource usage only): the 64- and 256-dim rows (no register
-spills with the correction compiled in; at ``d = 64`` a pipelined correction
-loop spills, so it is not pipelined).
+Overrides (:data:`MODE_OVERRIDES`): the dense mode at ``d = 128`` runs with
+``(64, 4, 3)``, bf16 and e4m3.
+
+Measured for ``d = 128`` on an H200 (B=1, Hq/Hkv = 32/8, page size 1, planted
+workload, attention kernel alone, CUDA-event medians; files under
+``benchmarks/results/2026-11-29-h200-triton-tuning/``, ``call2-profile-394cde9.json``):
+
+- sparse with correction, 128K (density 3.8%): table 22.68 ms; the same with a
+  pipelined correction loop 22.91; ``(32, 4, 3)`` with steps of 32 or 16 pooled
+  vectors 25.6-26.3 (two programs per SM, but it spills); steps of 128 spill
+  (24.91 in call 1). The kernel before this table: 32.98 ms.
+- sparse without correction, 128K: table 16.15 ms; grid in segment order 17.80;
+  ``(32, 4, 3)`` 19.20; ``(64, 4, 3)`` 22.57 (spills). Before: 18.99 ms.
+- dense, 32K: ``(64, 4, 3)`` 19.84 ms = 443 TFLOP/s (255 registers x 128 threads and
+  98 KB of shared memory leave room for two programs per SM; ptxas spills a few);
+  ``(64, 4, 2)`` 432, segment order 429, ``(128, 8, 3)`` 404 (417 in segment
+  order), ``(32, 4, 3)`` 341-373. Before: 396.5 (363 in the first device run).
+  e4m3: ``(64, 4, 3)`` 261 TFLOP/s, ``(128, 8, 3)`` 244.
+
+Chosen without timing (ptxas resource usage only): the 64- and 256-dim rows (no
+register spills with the correction compiled in; at ``d = 64`` a pipelined
+correction loop spills, so it is not pipelined).
 """
 
 from __future__ import annotations
@@ -71,6 +87,7 @@ MODE_OVERRIDES: dict[tuple[int, str, bool], LaunchConfig] = {
     # 4 warps: the accumulator and logits fit two programs per SM, which overlap each
     # other's softmax and products; with the correction compiled in this spills.
     (128, "dense", False): LaunchConfig(block_n=64, num_warps=4, num_stages=3),
+    (128, "dense", True): LaunchConfig(block_n=64, num_warps=4, num_stages=3),
 }
 
 #: Smallest key sub-tile ``tl.dot`` accepts.
