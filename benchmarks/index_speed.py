@@ -38,6 +38,7 @@ import importlib.util
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -64,11 +65,11 @@ HBM_BYTES_PER_S = 4.8e12
 GEMM_FLOPS_PER_S = 790e12
 MUFU_PER_CLOCK_PER_SM = 16
 CLOCK_HZ = 1.98e9
-#: Scoring knobs swept by ``--sweep``: (block_n, num_warps, num_stages, programs_per_sm).
-#: (230-250 registers per thread: two 4-warp programs or one 8-warp program fit an SM.)
-SCORE_SWEEP = [(64, 4, 2, 2), (64, 4, 3, 2), (64, 4, 4, 2), (64, 4, 2, 1), (128, 8, 2, 1), (128, 8, 3, 1)]
-#: Pooling knobs swept by ``--sweep``: (tokens, num_warps).
-POOL_SWEEP = [(32, 4), (16, 2), (64, 8), (32, 8)]
+#: Scoring knobs swept by ``--sweep``: (block_n, num_warps, num_stages, programs_per_sm, maxnreg). About 230 registers
+#: per thread fit two 4-warp programs per SM; capped at 168 (spilling outside the scoring loop only), three.
+SCORE_SWEEP = [(64, 4, 2, 2, None), (64, 4, 2, 3, 168), (64, 4, 3, 2, None)]
+#: Pooling knobs swept by ``--sweep``: (tokens, num_warps, heads per program).
+POOL_SWEEP = [(16, 2, 1), (16, 1, 1), (32, 2, 1), (8, 4, 8), (16, 8, 8), (16, 4, 2)]
 #: Machine-specific path prefixes removed from everything written to the results.
 _PATH_PREFIXES = ("/work/", "/root/", "/tmp/", "/home/")
 
@@ -100,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-label", default="baseline", help="impl name of the baseline rows")
     p.add_argument("--sweep", action="store_true", help="also sweep the kernels' launch knobs")
     p.add_argument("--sweep-seqlens", type=int, nargs="*", default=[131072], help="L values of the sweep")
+    p.add_argument(
+        "--auto-tune",
+        action="store_true",
+        help="run the sweep before the main rows and keep the fastest knobs for every later row (put a sweep L first)",
+    )
+    p.add_argument("--no-host-profile", action="store_true", help="skip the cProfile of the host side")
     p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
     p.add_argument("--fraction", type=float, default=0.02, help="planted fraction of key blocks")
     p.add_argument("--margin", type=float, default=7.0, help="planted logit margin")
@@ -247,7 +254,9 @@ def index_floor(batch: PagedPrefillBatch, args: argparse.Namespace, config: Sele
     q_bytes = total_q * args.q_heads * args.head_dim * 2 / config.probe_stride
     kv_bytes = 2 * total_k * args.kv_heads * args.head_dim * 2
     mufu_rate = MUFU_PER_CLOCK_PER_SM * sms * CLOCK_HZ
+    key_bytes = scored * args.kv_heads * args.head_dim * 2  # pooled keys re-read (from L2) by every tile
     return {
+        "key_l2_bytes": key_bytes,
         "q_bytes": q_bytes,
         "kv_pool_bytes": kv_bytes,
         "scored_pairs_per_kv_head": scored,
@@ -261,6 +270,112 @@ def index_floor(batch: PagedPrefillBatch, args: argparse.Namespace, config: Sele
             f"HBM {HBM_BYTES_PER_S / 1e12:.1f} TB/s, bf16 GEMM {GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s, "
             f"{MUFU_PER_CLOCK_PER_SM} exp2/clock/SM x {sms} SMs x {CLOCK_HZ / 1e9:.2f} GHz"
         ),
+    }
+
+
+def sweep(
+    w: object,
+    config: SelectionConfig,
+    base: dict[str, object],
+    args: argparse.Namespace,
+    device: torch.device,
+    sweep_rows: list[dict[str, object]],
+    log: Callable[[str], None],
+) -> None:
+    """Time selection under each scoring knob set and pooling under each pooling knob set (full-row scoring)."""
+    for block_n, warps, stages, per_sm, maxnreg in SCORE_SWEEP:
+        knobs = replace(tuning.SCORE, block_n=block_n, num_warps=warps, num_stages=stages)
+        knobs = replace(knobs, programs_per_sm=per_sm, maxnreg=maxnreg)
+        previous = tuning.set_tuning(score=knobs)
+        try:
+            row, _ = measure_index(index_triton, "current", w, config, args, device, extras=False)
+            sweep_rows.append({**base, "kernel": "score", "knobs": vars(knobs), "select_ms": row["select_ms"]})
+        except Exception as exc:
+            sweep_rows.append({**base, "kernel": "score", "knobs": vars(knobs), "error": str(exc)})
+        finally:
+            tuning.set_tuning(score=previous[0])
+        log(f"sweep {sweep_rows[-1]}")
+    for tokens, warps, heads in POOL_SWEEP:
+        knobs = tuning.PoolTuning(tokens, warps, heads)
+        previous = tuning.set_tuning(pool=knobs)
+        try:
+            pool_ms, _ = timed(pool_call(w), args, device)
+            sweep_rows.append({**base, "kernel": "pool", "knobs": vars(knobs), "pool_ms": pool_ms})
+        except Exception as exc:
+            sweep_rows.append({**base, "kernel": "pool", "knobs": vars(knobs), "error": str(exc)})
+        finally:
+            tuning.set_tuning(pool=previous[1])
+        log(f"sweep {sweep_rows[-1]}")
+
+
+def best_knobs(sweep_rows: list[dict[str, object]], seqlen: int) -> dict[str, object]:
+    """The fastest scoring and pooling knobs of the sweep at ``seqlen`` (as ``set_tuning`` keyword arguments)."""
+    best: dict[str, object] = {}
+    for kernel, metric, cls in (("score", "select_ms", tuning.ScoreTuning), ("pool", "pool_ms", tuning.PoolTuning)):
+        timed_rows = [r for r in sweep_rows if r["L"] == seqlen and r["kernel"] == kernel and metric in r]
+        if timed_rows:
+            knobs = dict(min(timed_rows, key=lambda r: r[metric])["knobs"])
+            if "probe_programs_per_sm" in knobs:
+                knobs["probe_programs_per_sm"] = tuple(knobs["probe_programs_per_sm"])
+            best[kernel] = cls(**knobs)
+    return best
+
+
+def host_profile(w: object, config: SelectionConfig, device: torch.device, calls: int = 50) -> list[dict]:
+    """Where the host time of one index call goes: cProfile of ``calls`` calls (GPU idle between calls), top 20."""
+    import cProfile
+    import pstats
+
+    workspace = index_triton.IndexWorkspace(device)
+
+    def index() -> object:
+        stats = index_triton.pool_blocks_triton(w.k_cache, w.v_cache, w.batch, block_size=config.block_size)
+        return index_triton.select_blocks_triton(w.q, w.batch, stats, config=config, workspace=workspace)
+
+    index()
+    sync(device)
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        profiler.enable()
+        result = index()
+        profiler.disable()
+        del result
+        sync(device)
+    table = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    out = [
+        {
+            "function": f"{Path(key[0]).name}:{key[1]}({key[2]})",
+            "calls_per_index": nc / calls,
+            "self_us": tottime / calls * 1e6,
+            "cumulative_us": cumtime / calls * 1e6,
+        }
+        for key, (cc, nc, tottime, cumtime, _) in table.items()
+    ]
+    return sorted(out, key=lambda r: -r["self_us"])[:20]
+
+
+def launch_overheads(device: torch.device, calls: int = 200) -> dict[str, float]:
+    """Median host microseconds to issue one small Triton kernel, one torch op and one allocation (GPU idle)."""
+    from fpv2.index.triton.scoring import DOT_BF16, launch_prepare_keys
+
+    x = torch.randn(64, 8, 128, device=device)
+    counts = torch.ones(4096, dtype=torch.int32, device=device)
+
+    def per_call(fn: Callable[[], object]) -> float:
+        fn()
+        sync(device)
+        values = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            values.append((time.perf_counter() - t0) * 1e6)
+        sync(device)
+        return median(values)
+
+    return {
+        "triton_launch_us": per_call(lambda: launch_prepare_keys(x, 0.1, DOT_BF16)),
+        "torch_cumsum_us": per_call(lambda: torch.cumsum(counts, 0, dtype=torch.int32)),
+        "torch_empty_us": per_call(lambda: torch.empty(4096, dtype=torch.int32, device=device)),
     }
 
 
@@ -379,6 +494,7 @@ def table(rows: list[dict[str, object]]) -> str:
 
 def write_results(
     args: argparse.Namespace,
+    tuning_used: dict[str, object],
     rows: list[dict[str, object]],
     sweep_rows: list[dict[str, object]],
     floors: dict[str, object],
@@ -398,6 +514,7 @@ def write_results(
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "baseline_dir"},
         "selection": {f: getattr(SelectionConfig(alpha=args.alpha), f) for f in SelectionConfig.__dataclass_fields__},
         "tuning_defaults": defaults,
+        "tuning_used": tuning_used,
         "workload": "planted",
         "timer": "cuda-events" if device.type == "cuda" else "perf_counter",
         "notes": notes,
@@ -442,10 +559,14 @@ def main(argv: list[str] | None = None) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     defaults = {"score": vars(tuning.SCORE).copy(), "pool": vars(tuning.POOL).copy()}
 
+    overheads = launch_overheads(device)
+    log(f"host launch overheads: {overheads}")
+    notes.append(f"host cost of one launch (us): {overheads}")
     rows: list[dict[str, object]] = []
     sweep_rows: list[dict[str, object]] = []
     floors: dict[str, object] = {}
     summary: list[dict[str, object]] = []
+    tuning_used: dict[str, object] = {}
     commit = git_commit()
     gpu = gpu_name(device)
     for seqlen in args.seqlens:
@@ -473,14 +594,15 @@ def main(argv: list[str] | None = None) -> int:
         if seqlen in args.error_seqlens:
             log("computing the fp32 dense reference")
             ref = dense_attention(w.q.float(), w.k_cache.float(), w.v_cache.float(), w.batch)
-        base_index = None
-        if baseline is not None:
-            log(f"timing {args.baseline_label}")
-            try:
-                row, base_index = measure_index(baseline, args.baseline_label, w, full, args, device, extras=True)
-                rows.append({**base, **row})
-            except Exception as exc:
-                log(f"baseline failed: {type(exc).__name__}: {exc}")
+        if args.sweep and seqlen in args.sweep_seqlens:
+            sweep(w, full, base, args, device, sweep_rows, log)
+            if args.auto_tune:
+                tuned = best_knobs(sweep_rows, seqlen)
+                tuning.set_tuning(**tuned)
+                tuning_used[str(seqlen)] = {k: vars(v) for k, v in tuned.items()}
+                log(f"auto-tune: {tuning_used[str(seqlen)]}")
+        knobs_now = {"score": vars(tuning.SCORE).copy(), "pool": vars(tuning.POOL).copy()}
+        current_index = None
         for probe in [1, *args.probes]:
             config = SelectionConfig(alpha=args.alpha, probe_stride=probe)
             log(f"timing current, probe {probe}")
@@ -490,8 +612,13 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"current probe {probe} failed: {type(exc).__name__}: {exc}")
                 rows.append({**base, "impl": "current", "probe": probe, "error": f"{type(exc).__name__}: {exc}"})
                 continue
-            if probe == 1 and base_index is not None:
-                row["pairs_differing_from_baseline"] = pair_difference(result, base_index, nb)
+            row["knobs"] = knobs_now
+            if probe == 1:
+                current_index = result
+                if not args.no_host_profile:
+                    row["host_profile"] = host_profile(w, config, device)
+            elif current_index is not None:
+                row["pairs_differing_from_full_row"] = pair_difference(result, current_index, nb)
             if ref is not None:
                 log(f"pipeline error, probe {probe}")
                 try:
@@ -501,6 +628,17 @@ def main(argv: list[str] | None = None) -> int:
                     row["pipeline_error"] = f"{type(exc).__name__}: {exc}"
             rows.append({**base, **row})
             del result
+        if baseline is not None:
+            log(f"timing {args.baseline_label}")
+            try:
+                row, base_index = measure_index(baseline, args.baseline_label, w, full, args, device, extras=True)
+                if current_index is not None:
+                    row["pairs_differing_from_current"] = pair_difference(current_index, base_index, nb)
+                rows.append({**base, **row})
+                del base_index
+            except Exception as exc:
+                log(f"baseline failed: {type(exc).__name__}: {exc}")
+        current_index = None
         flops = index_flops([seqlen], [seqlen], args.q_heads, args.head_dim, full.block_size)
         for r in rows:
             if r["L"] == seqlen and "index_ms" in r:
@@ -531,33 +669,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             if r["L"] == seqlen:
                 print(table([r]).splitlines()[-1], flush=True)
-        write_results(args, rows, sweep_rows, floors, summary, notes, defaults, commit, gpu, device)
-        if args.sweep and seqlen in args.sweep_seqlens:
-            for block_n, warps, stages, per_sm in SCORE_SWEEP:
-                knobs = tuning.ScoreTuning(block_n, warps, stages, per_sm)
-                previous = tuning.set_tuning(score=knobs)
-                try:
-                    row, _ = measure_index(index_triton, "current", w, full, args, device, extras=False)
-                    sweep_rows.append({**base, "kernel": "score", "knobs": vars(knobs), "select_ms": row["select_ms"]})
-                except Exception as exc:
-                    sweep_rows.append({**base, "kernel": "score", "knobs": vars(knobs), "error": str(exc)})
-                finally:
-                    tuning.set_tuning(score=previous[0])
-                log(f"sweep {sweep_rows[-1]}")
-            for tokens, warps in POOL_SWEEP:
-                knobs = tuning.PoolTuning(tokens, warps)
-                previous = tuning.set_tuning(pool=knobs)
-                try:
-                    pool_ms, _ = timed(pool_call(w), args, device)
-                    sweep_rows.append({**base, "kernel": "pool", "knobs": vars(knobs), "pool_ms": pool_ms})
-                except Exception as exc:
-                    sweep_rows.append({**base, "kernel": "pool", "knobs": vars(knobs), "error": str(exc)})
-                finally:
-                    tuning.set_tuning(pool=previous[1])
-                log(f"sweep {sweep_rows[-1]}")
+        write_results(args, tuning_used, rows, sweep_rows, floors, summary, notes, defaults, commit, gpu, device)
         w = ref = None  # free the workload before the next L
 
-    json_path = write_results(args, rows, sweep_rows, floors, summary, notes, defaults, commit, gpu, device)
+    json_path = write_results(
+        args, tuning_used, rows, sweep_rows, floors, summary, notes, defaults, commit, gpu, device
+    )
     text = table(rows)
     print(text)
     for r in rows:
@@ -565,6 +682,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nL={r['L']} {r['impl']}: GPU time per kernel of one index call (us)")
             for p in r["profile"][:8]:
                 print(f"  {p['us']:9.1f}  x{p['calls']:.0f}  {p['kernel']}")
+    for r in rows:
+        if r.get("host_profile"):
+            print(f"\nL={r['L']} {r['impl']}: host time per index call by function (cProfile, us; self / cumulative)")
+            for p in r["host_profile"][:10]:
+                print(f"  {p['self_us']:8.1f} {p['cumulative_us']:8.1f}  x{p['calls_per_index']:.0f}  {p['function']}")
     for r in sweep_rows:
         print(f"sweep L={r['L']} {r['kernel']} {r['knobs']}: {r.get('select_ms', r.get('pool_ms', r.get('error')))}")
     for seqlen, by_probe in floors.items():

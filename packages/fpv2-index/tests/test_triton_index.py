@@ -42,7 +42,7 @@ from fpv2.index.triton import (
 )
 from fpv2.index.triton.api import capacity_bound
 from fpv2.index.triton.compaction import launch_compact, segment_offsets
-from fpv2.index.triton.tuning import ScoreTuning, set_tuning
+from fpv2.index.triton.tuning import PoolTuning, ScoreTuning, set_tuning
 from fpv2.index.triton.workspace import words_per_segment
 from fpv2.kernel.contracts import BlockIndex, PagedPrefillBatch, num_key_blocks, num_query_tiles, tile_span
 from fpv2.kernel.reference.pooling import pool_blocks
@@ -175,6 +175,15 @@ def _fp8_inputs(w, num_kv_heads: int):
 
 
 # --------------------------------------------------------------------------- pooling
+@pytest.fixture(params=[1, 2, 4], ids=lambda h: f"heads{h}")
+def pool_heads(request):
+    """Pool with ``heads`` KV heads per program (4 > Hkv = 2: the masked extra heads), then restore the knobs."""
+    previous = set_tuning(pool=PoolTuning(tokens=16, num_warps=2, heads=request.param))
+    yield request.param
+    set_tuning(pool=previous[1])
+
+
+@pytest.mark.usefixtures("pool_heads")
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_pool_matches_reference(page_size: int, dtype: torch.dtype) -> None:
@@ -215,6 +224,7 @@ def test_pool_block_size_and_keys_only() -> None:
     torch.testing.assert_close(got.pooled_k[1, 0].cpu(), torch.stack(tokens).mean(0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("pool_heads")
 def test_pool_fp8_descales() -> None:
     w = planted_workload(
         [20, 7], [45, 30], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, block_size=16, device=DEVICE

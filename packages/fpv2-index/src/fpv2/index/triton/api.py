@@ -37,7 +37,7 @@ from fpv2.kernel.contracts import (
 from ..config import SelectionConfig
 from .compaction import launch_compact
 from .pooling import launch_pool
-from .scoring import DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, launch_prepare_keys, launch_score_select
+from .scoring import DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, launch_prepare_keys, launch_score_select, score_rows
 from .workspace import IndexWorkspace
 
 
@@ -338,7 +338,7 @@ def select_blocks_triton(
         )
     dot_kind = _dot_kind(q.dtype)
     keys = launch_prepare_keys(statistics.pooled_k, config.scale_for(q.shape[2]) * LOG2E, dot_kind)
-    num_programs = workspace.num_programs(num_segments, device)
+    num_programs = workspace.num_programs(num_segments, device, score_rows(tile_size, config.probe_stride))
     views = workspace.reserve(
         num_programs=num_programs, max_blocks=max_blocks, num_segments=num_segments, device=device
     )

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import next_power_of_2
 from .workspace import WORD_BITS
 
 #: Largest number of keep bits expanded per step.
@@ -78,7 +79,7 @@ def launch_compact(keep_bits: torch.Tensor, offsets: torch.Tensor, blocks: torch
     if num_segments == 0:
         return
     words = keep_bits.shape[1]
-    bits = min(MAX_STEP_BITS, max(WORD_BITS, triton.next_power_of_2(words * WORD_BITS)))
+    bits = min(MAX_STEP_BITS, max(WORD_BITS, next_power_of_2(words * WORD_BITS)))
     _compact_kernel[(num_segments,)](
         keep_bits,
         offsets,

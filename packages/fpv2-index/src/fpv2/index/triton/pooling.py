@@ -1,4 +1,4 @@
-"""Paged mean pooling of K and V: one Triton program per (key block, KV head), one launch in all.
+"""Paged mean pooling of K and V: one Triton program per (key block, group of KV heads), one launch in all.
 
 Each program finds its request with a vector prefix sum over ``seqlens_k``
 (no host-built block-to-request table), reads its block's tokens straight out
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from .tuning import next_power_of_2
 
 
 @triton.jit
@@ -46,12 +47,13 @@ def _pool_kernel(
     TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HEADS: tl.constexpr,
     HAS_V: tl.constexpr,
     HAS_K_DESCALE: tl.constexpr,
     HAS_V_DESCALE: tl.constexpr,
 ):
     row = tl.program_id(0)  # global block row (block_offsets[b] + J)
-    head = tl.program_id(1)
+    group = tl.program_id(1)  # heads group * HEADS .. group * HEADS + HEADS - 1
     # ---- the request of this row: prefix sum of blocks per request (B lanes)
     req = tl.arange(0, BLOCK_B)
     req_ok = req < num_requests
@@ -62,22 +64,21 @@ def _pool_kernel(
     sel = req == b
     kv_len = tl.sum(tl.where(sel, lens, 0), axis=0)
     block = row - tl.sum(tl.where(sel, ends - nblocks, 0), axis=0)
-    writer = (row == 0) & (head == 0)
+    writer = (row == 0) & (group == 0)
     tl.store(block_offsets_ptr + 1 + req, ends, mask=req_ok & writer)
     tl.store(block_offsets_ptr + req, req * 0, mask=(req == 0) & writer)
 
     start = block * BLOCK_SIZE
     length = tl.minimum(kv_len - start, BLOCK_SIZE)
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    k_scale = 1.0
-    if HAS_K_DESCALE:
-        k_scale = tl.load(k_descale_ptr + b * num_kv_heads + head)
-    v_scale = 1.0
-    if HAS_V_DESCALE:
-        v_scale = tl.load(v_descale_ptr + b * num_kv_heads + head)
-    acc_k = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc_v = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Columns: HEADS heads of BLOCK_D dims each (all heads of a token are one contiguous row for HEADS = Hkv).
+    cols = tl.arange(0, HEADS * BLOCK_D)
+    heads = group * HEADS + cols // BLOCK_D
+    dims = cols % BLOCK_D
+    col_ok = (dims < head_dim) & (heads < num_kv_heads)
+    k_cols = heads.to(tl.int64) * stride_k_head + dims
+    v_cols = heads.to(tl.int64) * stride_v_head + dims
+    acc_k = tl.zeros([HEADS * BLOCK_D], dtype=tl.float32)
+    acc_v = tl.zeros([HEADS * BLOCK_D], dtype=tl.float32)
     table_row = page_table_ptr + b.to(tl.int64) * stride_table
     # Static trip count: the Triton 3.6 interpreter cannot take loaded values as range() bounds.
     for t0 in range(0, BLOCK_SIZE, TOKENS):
@@ -87,21 +88,27 @@ def _pool_kernel(
         # Page ids are only read for valid tokens: entries past a request's last page may be garbage.
         page = tl.load(table_row + pos // page_size, mask=tok_ok, other=0).to(tl.int64)
         slot = (pos % page_size).to(tl.int64)
-        mask = tok_ok[:, None] & dim_ok[None, :]
-        k_addr = page * stride_k_page + slot * stride_k_slot + head * stride_k_head
-        k = tl.load(k_ptr + k_addr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        mask = tok_ok[:, None] & col_ok[None, :]
+        k_rows = page * stride_k_page + slot * stride_k_slot
+        k = tl.load(k_ptr + k_rows[:, None] + k_cols[None, :], mask=mask, other=0.0).to(tl.float32)
         acc_k += tl.sum(k, axis=0)
         if HAS_V:
-            v_addr = page * stride_v_page + slot * stride_v_slot + head * stride_v_head
-            v = tl.load(v_ptr + v_addr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+            v_rows = page * stride_v_page + slot * stride_v_slot
+            v = tl.load(v_ptr + v_rows[:, None] + v_cols[None, :], mask=mask, other=0.0).to(tl.float32)
             acc_v += tl.sum(v, axis=0)
 
     inv_len = 1.0 / length.to(tl.float32)
-    out = (row.to(tl.int64) * num_kv_heads + head) * head_dim + dims
-    tl.store(pooled_k_ptr + out, acc_k * (k_scale * inv_len), mask=dim_ok)
+    k_scale = inv_len
+    if HAS_K_DESCALE:
+        k_scale = inv_len * tl.load(k_descale_ptr + b * num_kv_heads + heads, mask=col_ok, other=0.0)
+    out = (row.to(tl.int64) * num_kv_heads + heads) * head_dim + dims
+    tl.store(pooled_k_ptr + out, acc_k * k_scale, mask=col_ok)
     if HAS_V:
-        tl.store(pooled_v_ptr + out, acc_v * (v_scale * inv_len), mask=dim_ok)
-    tl.store(lengths_ptr + row, length, mask=head == 0)
+        v_scale = inv_len
+        if HAS_V_DESCALE:
+            v_scale = inv_len * tl.load(v_descale_ptr + b * num_kv_heads + heads, mask=col_ok, other=0.0)
+        tl.store(pooled_v_ptr + out, acc_v * v_scale, mask=col_ok)
+    tl.store(lengths_ptr + row, length, mask=group == 0)
 
 
 def launch_pool(
@@ -145,7 +152,8 @@ def launch_pool(
     block_offsets = torch.empty(num_requests + 1, dtype=torch.int32, device=device)
     knobs = tuning.POOL
     v_arg = v_cache if v_cache is not None else k_cache
-    _pool_kernel[(total_blocks, num_kv_heads)](
+    heads = min(knobs.heads, next_power_of_2(num_kv_heads))
+    _pool_kernel[(total_blocks, -(-num_kv_heads // heads))](
         k_cache,
         v_arg,
         pooled_k,
@@ -169,8 +177,9 @@ def launch_pool(
         head_dim,
         BLOCK_SIZE=block_size,
         TOKENS=min(knobs.tokens, block_size),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_B=max(2, triton.next_power_of_2(num_requests)),
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_B=max(2, next_power_of_2(num_requests)),
+        HEADS=heads,
         HAS_V=v_cache is not None,
         HAS_K_DESCALE=k_descale is not None,
         HAS_V_DESCALE=v_descale is not None,

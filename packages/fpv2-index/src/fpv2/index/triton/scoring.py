@@ -59,8 +59,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from . import tuning
+from .tuning import next_power_of_2
 from .workspace import CHUNK_BLOCKS, WORD_BITS, WorkspaceViews
 
 #: ``log2(e)``: logits are scored in log2 units so energies are powers of two.
@@ -83,7 +85,20 @@ def pass2_blocks(max_blocks: int) -> int:
     Returns:
         A power of two, a multiple of :data:`CHUNK_BLOCKS`.
     """
-    return min(PASS2_MAX_BLOCKS, max(CHUNK_BLOCKS, triton.next_power_of_2(max(max_blocks, 1))))
+    return min(PASS2_MAX_BLOCKS, max(CHUNK_BLOCKS, next_power_of_2(max(max_blocks, 1))))
+
+
+def score_rows(tile_size: int, probe_stride: int) -> int:
+    """Scored rows per tile in the kernel: ``ceil(tile_size / probe_stride)`` padded to a power of two >= 16.
+
+    Args:
+        tile_size: packed rows per tile.
+        probe_stride: score every ``probe_stride``-th row.
+
+    Returns:
+        The row count of the kernel's query operand.
+    """
+    return max(16, next_power_of_2(-(-tile_size // probe_stride)))
 
 
 #: Elements per program of the key preparation kernel.
@@ -113,9 +128,19 @@ def launch_prepare_keys(pooled_k: torch.Tensor, scale_log2: float, dot_kind: int
     keys = torch.empty(pooled_k.shape, dtype=_DOT_DTYPES[dot_kind], device=pooled_k.device)
     numel = pooled_k.numel()
     if numel:
-        grid = (triton.cdiv(numel, PREPARE_ELEMENTS),)
+        grid = (-(-numel // PREPARE_ELEMENTS),)
         _prepare_keys_kernel[grid](pooled_k, keys, numel, scale_log2, ELEMENTS=PREPARE_ELEMENTS, num_warps=4)
     return keys
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """``log2(x)``; on GPUs the one-instruction ``lg2.approx`` (relative error ~2^-22), not libdevice's
+    polynomial, which sits on the critical path of every scoring step."""
+    if FAST:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
 
 
 @triton.jit
@@ -137,6 +162,7 @@ def _score_step(
     DOT_KIND: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr,
     MASKED: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
 ):
     """One step of pass 1: log2 energies of pooled keys ``c0 .. c0 + BLOCK_N - 1`` and the running maxima.
 
@@ -167,12 +193,12 @@ def _score_step(
         block_max = tl.max(logits, axis=1)
         offset = tl.where(block_max == float("-inf"), 0.0, block_max)
         # log2(sum_r 2^s_rJ), offset by the block's own maximum so nothing underflows; -inf when no row contributes.
-        energy = offset + tl.log2(tl.sum(tl.exp2(logits - offset[:, None]), axis=1))
+        energy = offset + _log2(tl.sum(tl.exp2(logits - offset[:, None]), axis=1), FAST_LOG2)
         tl.store(energies_row + ids, energy, mask=id_ok)
         return tl.maximum(energy_max, tl.where(id_ok, energy, float("-inf")))
     else:
         block_max = tl.max(logits, axis=1)
-        energy = block_max + tl.log2(tl.sum(tl.exp2(logits - block_max[:, None]), axis=1))
+        energy = block_max + _log2(tl.sum(tl.exp2(logits - block_max[:, None]), axis=1), FAST_LOG2)
         tl.store(energies_row + ids, energy)
         return tl.maximum(energy_max, energy)
 
@@ -221,6 +247,7 @@ def _score_select_kernel(
     DOT_KIND: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr,
     USE_WHILE: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -321,12 +348,14 @@ def _score_select_kernel(
                 energy_max = _score_step(
                     q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
                     stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False,
+                    FAST_LOG2,
                 )  # fmt: skip
                 c0 += BLOCK_N
             while c0 < num_candidates:
                 energy_max = _score_step(
                     q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
                     stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True,
+                    FAST_LOG2,
                 )  # fmt: skip
                 c0 += BLOCK_N
         else:  # range() loops, so Triton pipelines the pooled-key loads
@@ -334,11 +363,13 @@ def _score_select_kernel(
                 energy_max = _score_step(
                     q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
                     stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False,
+                    FAST_LOG2,
                 )  # fmt: skip
             for c0 in range(num_full, num_candidates, BLOCK_N):
                 energy_max = _score_step(
                     q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
                     stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True,
+                    FAST_LOG2,
                 )  # fmt: skip
         peak_log2 = tl.max(energy_max, axis=0)  # log2 of max_J E_J; -inf when nothing was scored
         # Pass 2 reads energies other threads of this program wrote.
@@ -433,8 +464,11 @@ def launch_score_select(
     if total_tiles * num_kv_heads == 0:
         return
     knobs = tuning.SCORE
-    rows = max(16, triton.next_power_of_2(-(-tile_size // probe_stride)))
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    launch = {"num_warps": knobs.num_warps, "num_stages": knobs.num_stages}
+    if knobs.maxnreg is not None and not interpret:
+        launch["maxnreg"] = knobs.maxnreg
+    rows = score_rows(tile_size, probe_stride)
+    block_d = max(16, next_power_of_2(head_dim))
     num_requests = cu_seqlens_q.numel() - 1
     _score_select_kernel[(num_programs,)](
         q,
@@ -472,13 +506,13 @@ def launch_score_select(
         BLOCK_N=knobs.block_n,
         BLOCK_D=block_d,
         EVEN_D=block_d == head_dim,
-        BLOCK_B=max(2, triton.next_power_of_2(num_requests)),
+        BLOCK_B=max(2, next_power_of_2(num_requests)),
         CHUNK=CHUNK_BLOCKS,
         PASS2=pass2_blocks(views.energies.shape[1]),
         WORD=WORD_BITS,
         DOT_KIND=dot_kind,
         HAS_Q_DESCALE=q_descale is not None,
         USE_WHILE=interpret,
-        num_warps=knobs.num_warps,
-        num_stages=knobs.num_stages,
+        FAST_LOG2=not interpret,
+        **launch,
     )

@@ -20,13 +20,33 @@ class ScoreTuning:
         block_n: pooled keys per scoring step (the MMA's M; 64 or 128).
         num_warps: warps per program (4 = one warpgroup; 8 pairs with ``block_n = 128``).
         num_stages: software-pipeline depth of the pooled-key loads.
-        programs_per_sm: persistent programs per streaming multiprocessor.
+        programs_per_sm: persistent programs per streaming multiprocessor for full 128-row tiles.
+            The kernel needs about 230 registers per thread there (two 4-warp programs per SM);
+            with ``maxnreg = 168`` three fit, spilling only outside the scoring loop.
+        maxnreg: register cap per thread passed to the compiler (None: the compiler's choice).
+        probe_programs_per_sm: persistent programs per SM when probing leaves 64 rows (167
+            registers) and 32 or fewer rows (about 120 registers).
     """
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
+    maxnreg: int | None = None
+    probe_programs_per_sm: tuple[int, int] = (3, 4)
+
+    def programs_for(self, rows: int) -> int:
+        """Persistent programs per SM for tiles of ``rows`` scored rows (padded to a power of two).
+
+        Args:
+            rows: scored rows per tile after probing.
+
+        Returns:
+            Programs per SM.
+        """
+        if rows >= 128:
+            return self.programs_per_sm
+        return self.probe_programs_per_sm[0] if rows >= 64 else self.probe_programs_per_sm[1]
 
 
 @dataclass(frozen=True)
@@ -36,10 +56,18 @@ class PoolTuning:
     Attributes:
         tokens: tokens loaded per step (capped by the block size).
         num_warps: warps per program.
+        heads: KV heads pooled per program (a power of two): with all heads of a token in one
+            program, each token's K (and V) row is one contiguous read.
     """
 
-    tokens: int = 32
-    num_warps: int = 4
+    tokens: int = 16
+    num_warps: int = 2
+    heads: int = 1
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``); plain Python, cheap on the launch path."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 SCORE = ScoreTuning()
@@ -64,11 +92,15 @@ def set_tuning(*, score: ScoreTuning | None = None, pool: PoolTuning | None = No
     if score is not None:
         if score.block_n not in (64, 128) or score.num_warps not in (4, 8) or score.num_stages < 1:
             raise ValueError(f"unsupported scoring knobs {score}")
-        if score.programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm must be >= 1, got {score.programs_per_sm}")
+        if min(score.programs_per_sm, *score.probe_programs_per_sm) < 1:
+            raise ValueError(f"programs per SM must be >= 1, got {score}")
+        if score.maxnreg is not None and not 64 <= score.maxnreg <= 255:
+            raise ValueError(f"maxnreg must lie in 64..255, got {score.maxnreg}")
         SCORE = replace(score)
     if pool is not None:
-        if pool.tokens < 1 or pool.tokens & (pool.tokens - 1) or pool.num_warps not in (1, 2, 4, 8):
+        powers = (1, 2, 4, 8, 16)
+        bad_tokens = pool.tokens < 1 or pool.tokens & (pool.tokens - 1)
+        if bad_tokens or pool.num_warps not in powers[:4] or pool.heads not in powers:
             raise ValueError(f"unsupported pooling knobs {pool}")
         POOL = replace(pool)
     return previous

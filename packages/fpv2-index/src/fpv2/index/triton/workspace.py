@@ -115,12 +115,13 @@ class IndexWorkspace:
             t.numel() * t.element_size() for t in (self._energies, self._keep_bits, self._counts) if t is not None
         )
 
-    def num_programs(self, num_work: int, device: torch.device) -> int:
+    def num_programs(self, num_work: int, device: torch.device, rows: int = 128) -> int:
         """Persistent grid size for ``num_work`` segments on ``device``.
 
         Args:
             num_work: segments to process.
             device: where the kernel runs.
+            rows: scored rows per tile (fewer rows, fewer registers, more programs per SM).
 
         Returns:
             ``min(num_work, cap)`` (at least 1), the cap from ``max_programs`` or the device.
@@ -128,7 +129,7 @@ class IndexWorkspace:
         if self.max_programs is not None:
             cap = self.max_programs
         elif device.type == "cuda":
-            cap = tuning.SCORE.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+            cap = tuning.SCORE.programs_for(rows) * _sm_count(device)
         else:
             cap = INTERPRETER_PROGRAMS
         return max(1, min(num_work, cap))
@@ -170,6 +171,18 @@ class IndexWorkspace:
         if buf is not None and buf.numel() >= numel:
             return buf
         return torch.empty(max(numel, 1), dtype=dtype, device=device)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: this runs on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(index)
+    if count is None:
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
