@@ -338,7 +338,9 @@ def select_blocks_triton(
         )
     dot_kind = _dot_kind(q.dtype)
     keys = launch_prepare_keys(statistics.pooled_k, config.scale_for(q.shape[2]) * LOG2E, dot_kind)
-    num_programs = workspace.num_programs(num_segments, device, score_rows(tile_size, config.probe_stride))
+    num_programs = workspace.num_programs(
+        num_segments, device, score_rows(tile_size, config.probe_stride), statistics.head_dim
+    )
     views = workspace.reserve(
         num_programs=num_programs, max_blocks=max_blocks, num_segments=num_segments, device=device
     )

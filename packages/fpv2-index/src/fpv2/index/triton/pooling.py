@@ -152,7 +152,7 @@ def launch_pool(
     block_offsets = torch.empty(num_requests + 1, dtype=torch.int32, device=device)
     knobs = tuning.POOL
     v_arg = v_cache if v_cache is not None else k_cache
-    heads = min(knobs.heads, next_power_of_2(num_kv_heads))
+    heads = knobs.heads_for(num_kv_heads, next_power_of_2(head_dim))
     _pool_kernel[(total_blocks, -(-num_kv_heads // heads))](
         k_cache,
         v_arg,

@@ -465,8 +465,9 @@ def launch_score_select(
         return
     knobs = tuning.SCORE
     launch = {"num_warps": knobs.num_warps, "num_stages": knobs.num_stages}
-    if knobs.maxnreg is not None and not interpret:
-        launch["maxnreg"] = knobs.maxnreg
+    maxnreg = knobs.maxnreg_for(head_dim)
+    if maxnreg is not None and not interpret:
+        launch["maxnreg"] = maxnreg
     rows = score_rows(tile_size, probe_stride)
     block_d = max(16, next_power_of_2(head_dim))
     num_requests = cu_seqlens_q.numel() - 1

@@ -1,8 +1,12 @@
 """Launch knobs of the Triton index kernels, in one place so benchmarks can sweep them.
 
 The defaults are the measured best on an H200 for the standard shapes
-(one 128K or 32K request, 32/8 heads, d 128, bf16, page size 1); see
-``benchmarks/NOTES.md`` (index stage) and ``benchmarks/index_speed.py --sweep``.
+(one 128K request, 32/8 heads, d 128, bf16, page size 1), from the sweep of
+``benchmarks/index_speed.py --sweep --auto-tune`` in
+``benchmarks/results/2026-11-29-h200-index-speed/`` (see ``benchmarks/NOTES.md``,
+index stage): scoring with three programs per SM at a 168-register cap (2.36 ms
+against 2.55 ms for two uncapped programs), pooling 8 tokens x all 8 heads per
+program (0.18 ms against 0.30 ms for one head).
 Changing a field changes the compiled variant, never the result (up to the
 near-threshold rounding of a different chunking).
 """
@@ -31,22 +35,32 @@ class ScoreTuning:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    programs_per_sm: int = 2
-    maxnreg: int | None = None
+    programs_per_sm: int = 3
+    maxnreg: int | None = 168
     probe_programs_per_sm: tuple[int, int] = (3, 4)
 
-    def programs_for(self, rows: int) -> int:
+    def programs_for(self, rows: int, head_dim: int = 128) -> int:
         """Persistent programs per SM for tiles of ``rows`` scored rows (padded to a power of two).
 
         Args:
             rows: scored rows per tile after probing.
+            head_dim: ``d``; with ``d > 128`` the query tile and the key stages need twice the shared
+                memory, so one program per SM for full tiles and half the probe counts.
 
         Returns:
             Programs per SM.
         """
         if rows >= 128:
-            return self.programs_per_sm
-        return self.probe_programs_per_sm[0] if rows >= 64 else self.probe_programs_per_sm[1]
+            count = self.programs_per_sm
+        else:
+            count = self.probe_programs_per_sm[0] if rows >= 64 else self.probe_programs_per_sm[1]
+        if head_dim > 128:
+            count = 1 if rows >= 128 else max(1, count // 2)
+        return count
+
+    def maxnreg_for(self, head_dim: int) -> int | None:
+        """The register cap to compile with: :attr:`maxnreg` for ``d <= 128`` (where it was measured), else None."""
+        return self.maxnreg if head_dim <= 128 else None
 
 
 @dataclass(frozen=True)
@@ -60,9 +74,22 @@ class PoolTuning:
             program, each token's K (and V) row is one contiguous read.
     """
 
-    tokens: int = 16
-    num_warps: int = 2
-    heads: int = 1
+    tokens: int = 8
+    num_warps: int = 4
+    heads: int = 8
+
+    def heads_for(self, num_kv_heads: int, block_d: int) -> int:
+        """Heads per program for a cache of ``num_kv_heads`` heads of ``block_d`` (padded) dims: :attr:`heads`,
+        at most the heads there are and at most 1024 columns per program (register budget).
+
+        Args:
+            num_kv_heads: ``Hkv``.
+            block_d: head dimension padded to a power of two.
+
+        Returns:
+            A power of two >= 1.
+        """
+        return max(1, min(self.heads, next_power_of_2(num_kv_heads), 1024 // block_d))
 
 
 def next_power_of_2(n: int) -> int:
