@@ -30,6 +30,7 @@
 #   HOPPER_LENGTHS       timing lengths ["32768,131072"]
 #   HOPPER_REPEATS       timed runs per length [10]
 #   HOPPER_KEEP          probability of keeping a block below the diagonal band in the sparse timing [0.03]
+#   HOPPER_PAGES         page sizes timed, space separated ["128 1": the TMA path and the cp.async gather]
 #   HOPPER_SEED          input seed offset [seconds since the epoch, printed]
 #   HOPPER_SKIP_RACECHECK=1   skip the racecheck run
 #   CUOBJDUMP, COMPUTE_SANITIZER   tool paths [PATH, then /usr/local/cuda/bin]
@@ -48,6 +49,7 @@ BUDGET="${HOPPER_BUDGET_S:-560}"
 LENGTHS="${HOPPER_LENGTHS:-32768,131072}"
 REPEATS="${HOPPER_REPEATS:-10}"
 KEEP="${HOPPER_KEEP:-0.03}"
+PAGES="${HOPPER_PAGES:-128 1}"
 SEED="${HOPPER_SEED:-$(date +%s)}"
 START=$SECONDS
 FAILED=()
@@ -169,8 +171,11 @@ main() {
         run_step layout-check 60 "$OUT/layout_check.log" "$BUILD/fpv2_hopper_layout_check"
         run_step correctness 150 "$OUT/correctness.log" "$BUILD/fpv2_hopper_dense_test" --mode correctness \
             --seed "$SEED"
-        run_step timing 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_dense_test" --mode timing --lengths "$LENGTHS" \
-            --repeats "$REPEATS" --keep "$KEEP" --seed "$SEED"
+        local page
+        for page in $PAGES; do
+            run_step "timing page=$page" 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_dense_test" --mode timing \
+                --lengths "$LENGTHS" --repeats "$REPEATS" --keep "$KEEP" --page-size "$page" --seed "$SEED"
+        done
         grep "^RESULT " "$OUT/timing.log" | sed 's/^RESULT //' >"$OUT/results.jsonl"
         run_step sanitizer 150 "$OUT/sanitizer.log" sanitize
     fi

@@ -4,7 +4,8 @@
 on the device (``scripts/device_check.sh``). The kernel's own native grid (every
 output poisoned, stray writes counted, compute-sanitizer) is
 ``tests/native/hopper_dense_test.cu``; this file checks the binding end to end:
-struct building, the bf16 hand-over of the pooled statistics, streams, refusals.
+struct building, the bf16 hand-over of the pooled statistics, streams, refusals,
+on both K/V paths (TMA at page sizes 128/256, the cp.async gather at 1/16).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, same: torch.Tensor) -> None:
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("correction", [False, True])
-@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_sparse_with_and_without_correction(paged_case, hand_index, group, page_size, correction):
     _require_kernel()
@@ -97,7 +98,7 @@ def test_dense_on_a_side_stream(paged_case, group):
 @pytest.mark.hopper
 def test_configurations_it_cannot_serve_are_refused(paged_case):
     _require_kernel()
-    case = paged_case([64], [64], num_q_heads=4, num_kv_heads=2, head_dim=128, page_size=16,
+    case = paged_case([64], [64], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    with pytest.raises(native.UnsupportedConfigurationError, match="page_size"):
+    with pytest.raises(native.UnsupportedConfigurationError, match="head dim"):
         native.hopper_prefill(case.q, case.k_cache, case.v_cache, torch.empty_like(case.q), case.batch)

@@ -19,8 +19,8 @@ std::string make_build_info() {
   info += "; CUDA archs: " FPV2_BUILD_CUDA_ARCHS "; ";
   info += fpv2::hopper::toolchain_summary();
 #if FPV2_HAVE_HOPPER_KERNEL
-  info += "; Hopper attention kernel: built (sm_90a; bf16, head dim 128, page_size % 128 == 0; dense, "
-          "block-sparse and mean correction)";
+  info += "; Hopper attention kernel: built (sm_90a; bf16, head dim 128, any page size; dense, block-sparse and "
+          "mean correction)";
 #else
   info += "; Hopper attention kernel: not built (this library validates arguments only)";
 #endif

@@ -102,6 +102,9 @@ struct ConsumerMainloop {
     auto process_tile = [&](int n, auto mode) {
       constexpr int kMode = decltype(mode)::value;
       pipeline_k.consumer_wait(state);
+      if (params.gather) {
+        cutlass::arch::fence_view_async_shared();  // gathered by cp.async (generic proxy), read by wgmma
+      }
       warpgroup_gemm</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state.stage), tSrS);
       pipeline_k.consumer_release(state);
       if constexpr (kMode == 1) {
@@ -117,6 +120,9 @@ struct ConsumerMainloop {
       Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_values.data()), PFragmentLayout{});
 
       pipeline_v.consumer_wait(state);
+      if (params.gather) {
+        cutlass::arch::fence_view_async_shared();
+      }
       if constexpr (kMode == 1) {
         if (tile.is_partial_tail_block(n)) {
           ValueTailGuard<Traits>::clear(sVt, state.stage, tile.seqlen_k - n * Traits::kBlockN, consumer_thread);

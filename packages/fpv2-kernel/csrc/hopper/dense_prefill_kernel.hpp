@@ -6,9 +6,11 @@
 // warpgroup + two consumer warpgroups); one CTA per SM (~162 KB of shared memory). Slots past a request's
 // last tile exit at once.
 //
+// K/V reach shared memory by TMA when page_size is a multiple of 128 (kv_producer.hpp, one elected thread),
+// else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
+//
 // Not yet here (next steps of issue 5): a persistent scheduler ordered by work (heaviest first), split-KV,
-// pingpong of the two consumer warpgroups, the cp.async gather for page sizes that are not a multiple of
-// 128, head dims 64 and 256, FP8.
+// pingpong of the two consumer warpgroups, head dims 64 and 256, FP8.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +24,7 @@
 
 #include "hopper/consumer_mainloop.hpp"
 #include "hopper/dense_prefill_params.hpp"
+#include "hopper/kv_gather_producer.hpp"
 #include "hopper/kv_pipeline.hpp"
 #include "hopper/kv_producer.hpp"
 #include "hopper/shared_storage.hpp"
@@ -60,9 +63,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    // One arrival per consumer warp releases a stage (KvPipeline::consumer_release).
-    Pipeline::init(smem.pipeline_k, Traits::kNumConsumerThreads / 32);
-    Pipeline::init(smem.pipeline_v, Traits::kNumConsumerThreads / 32);
+    // A stage fills with one TMA arrival, or with one cp.async arrival per producer thread (gather); one
+    // arrival per consumer warp releases it (KvPipeline::consumer_release).
+    const uint32_t producer_arrivals = params.gather ? Traits::kThreadsPerWarpGroup : 1;
+    Pipeline::init(smem.pipeline_k, producer_arrivals, Traits::kNumConsumerThreads / 32);
+    Pipeline::init(smem.pipeline_v, producer_arrivals, Traits::kNumConsumerThreads / 32);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -70,7 +75,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // Each warpgroup's role is one branch, with its setmaxnreg first, as ptxas needs to honour it.
   if (warp < Traits::kThreadsPerWarpGroup / 32) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (warp == 0 && cute::elect_one_sync()) {
+    if (params.gather) {
+      KvGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x));
+    } else if (warp == 0 && cute::elect_one_sync()) {
       KvProducer<Traits>::run(params, tile, smem);
     }
   } else {

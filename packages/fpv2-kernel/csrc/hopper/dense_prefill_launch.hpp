@@ -101,7 +101,7 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
       plan.seqlens_k,
       plan.page_table,
       plan.page_table_stride,
-      plan.page_size / Traits::kBlockN,
+      plan.page_size / Traits::kBlockN,  // 0 in gather mode (unused there)
       plan.group,
       plan.num_kv_heads,
       plan.num_requests,
@@ -119,6 +119,14 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
       plan.block_lengths,
       1.0f / plan.softmax_scale,
       has_correction ? 1 : 0,
+      plan.page_size % Traits::kBlockN != 0 ? 1 : 0,
+      plan.page_size,
+      static_cast<Element const*>(plan.k_cache),
+      static_cast<Element const*>(plan.v_cache),
+      plan.k_token_stride,
+      plan.v_token_stride,
+      static_cast<Element const*>(plan.pooled_k),
+      static_cast<Element const*>(plan.pooled_v),
   };
 
   auto kernel = dense_prefill_kernel<Traits>;

@@ -77,6 +77,17 @@ struct DensePrefillParams {
   int32_t const* block_lengths;          // (total_blocks,) tokens pooled into each row
   float inverse_softmax_scale;           // log|B| / softmax_scale is the raw-score shift of a pooled key
   int32_t has_correction;
+
+  // cp.async gather (page_size % kBlockN != 0): the producer warpgroup reads the cache and the pooled
+  // tensors through these pointers instead of the TMA descriptors.
+  int32_t gather;
+  int32_t page_size;
+  Element const* k_cache;
+  Element const* v_cache;
+  int64_t k_token_stride;
+  int64_t v_token_stride;
+  Element const* pooled_k;
+  Element const* pooled_v;
 };
 
 }  // namespace fpv2::hopper

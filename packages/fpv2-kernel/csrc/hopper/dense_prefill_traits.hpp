@@ -40,9 +40,9 @@ struct DensePrefillTraits {
   static_assert(kRowsPerConsumer == 64, "each consumer warpgroup issues 64-row wgmma");
 
   // setmaxnreg budgets. With __launch_bounds__(384, 1) the kernel starts at 65536 / 384 = 168 registers a
-  // thread; the producer (TMA only) gives most of them back so that each consumer thread can hold its
-  // 64 O accumulators, 64 S accumulators and the 32 registers of P without spilling:
-  // 128 * (24 + 2 * 240) = 64512 <= 65536.
+  // thread; the producer gives most of them back (it keeps enough for the cp.async gather's addresses) so
+  // that each consumer thread can hold its 64 O accumulators, 64 S accumulators and the 32 registers of P
+  // without spilling: 128 * (24 + 2 * 240) = 64512 <= 65536.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kThreadsPerWarpGroup * (kProducerRegisters + kNumConsumerWarpGroups * kConsumerRegisters) <= 65536,

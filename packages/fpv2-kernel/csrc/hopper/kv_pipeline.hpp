@@ -1,8 +1,9 @@
 // A multi-stage shared-memory pipeline on mbarriers, filled by TMA and drained by the consumer warps.
 //
 // Each stage has two barriers:
-//   full[s]   arrive count 1: the producer's arrive.expect_tx announces the TMA bytes; the stage is full once
-//             the copy engine has delivered them (complete_tx);
+//   full[s]   TMA: arrive count 1: the producer's arrive.expect_tx announces the TMA bytes; the stage is full
+//             once the copy engine has delivered them (complete_tx). cp.async gather: arrive count = the 128
+//             producer threads, each arriving when its own copies have landed (cp.async.mbarrier.arrive.noinc);
 //   empty[s]  arrive count = consumer warps: one elected lane of each consumer warp arrives once its
 //             warpgroup's wgmma reads of the stage have completed (after warpgroup_wait).
 // A barrier completes phases 0, 1, 0, ...; a waiter names the parity of the phase it waits for. The
@@ -46,9 +47,9 @@ class KvPipeline {
   __device__ explicit KvPipeline(Storage& storage) : storage_(storage) {}
 
   // One thread initialises; the caller fences (fence_barrier_init) and synchronises the CTA afterwards.
-  __device__ static void init(Storage& storage, uint32_t consumer_arrivals) {
+  __device__ static void init(Storage& storage, uint32_t producer_arrivals, uint32_t consumer_arrivals) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&storage.full[s], 1);
+      cutlass::arch::ClusterTransactionBarrier::init(&storage.full[s], producer_arrivals);
       cutlass::arch::ClusterBarrier::init(&storage.empty[s], consumer_arrivals);
     }
   }
@@ -62,6 +63,17 @@ class KvPipeline {
     cutlass::arch::ClusterBarrier::wait(&storage_.empty[state.stage], state.phase);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&storage_.full[state.stage], bytes);
     return storage_.full[state.stage];
+  }
+
+  // Gather producer (every producer thread): wait until the consumers released the stage.
+  __device__ void producer_wait_empty(State const& state) {
+    cutlass::arch::ClusterBarrier::wait(&storage_.empty[state.stage], state.phase);
+  }
+
+  // Gather producer (every producer thread, after issuing its cp.async copies into the stage): one arrival
+  // on the stage's full barrier once all of this thread's earlier cp.async copies have completed.
+  __device__ void producer_commit_cp_async(State const& state) {
+    cutlass::arch::cpasync_barrier_arrive_noinc(&storage_.full[state.stage]);
   }
 
   // Consumer (every thread of a consumer warp): wait until the stage's bytes have landed.

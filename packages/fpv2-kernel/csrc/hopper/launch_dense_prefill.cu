@@ -103,7 +103,7 @@ int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_p
     const char* name = t == &plan.pooled_k ? "fpv2_correction_plan_t.pooled_k" : "fpv2_correction_plan_t.pooled_v";
     if (t->dtype != FPV2_DTYPE_BF16) {
       return fail(FPV2_ERROR_UNSUPPORTED,
-                  format("%s: the Hopper kernel loads the pooled statistics with TMA as bf16 tiles; got dtype %s "
+                  format("%s: the Hopper kernel loads the pooled statistics as bf16 tiles; got dtype %s "
                          "(convert the float32 statistics to bfloat16 first) (%s)",
                          name, dtype_name(t->dtype).c_str(), describe(*t).c_str()));
     }
@@ -174,12 +174,6 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
                 format("fpv2_prefill_args_t.q: head dim d=%lld has no compiled Hopper instantiation in this "
                        "build (built: d=128); got %s",
                        ll(head_dim), describe(q).c_str()));
-  }
-  if (batch.page_size % kKvTile != 0) {
-    return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2_paged_batch_t.page_size=%d: the Hopper kernel loads 128-token K/V tiles with TMA "
-                       "and needs page_size %% 128 == 0 (the cp.async gather for small pages is a later step)",
-                       batch.page_size));
   }
   const int64_t num_q_heads = q.shape[1];
   const int64_t num_kv_heads = args.k_cache.shape[2];

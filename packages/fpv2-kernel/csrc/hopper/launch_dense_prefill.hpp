@@ -13,7 +13,8 @@ namespace fpv2::hopper {
 // args.index, block-sparse over the CSR index with it, plus the mean correction with args.correction.
 //
 // Precondition: `args` passed fpv2::detail::validate_prefill_args (fpv2_prefill validates first).
-// Serves: bf16 q/k/v/out, head dim 128, page_size a multiple of 128, block_size 128, bf16 pooled
+// Serves: bf16 q/k/v/out, head dim 128, any page size (TMA tiles when page_size % 128 == 0, a cp.async
+// gather otherwise), block_size 128, bf16 pooled
 // statistics (the todo masks, if given, are not read: the kernel derives the same bits), requests of at
 // most kMaxCorrectionBlocks blocks with the correction, caches whose pages stack into one row-major
 // (num_pages * page_size, Hkv * d) matrix, 16-byte aligned q/k/v and 4-byte aligned out, on a compute

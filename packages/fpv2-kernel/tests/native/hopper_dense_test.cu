@@ -3,7 +3,7 @@
 // -DFPV2_BUILD_HOPPER_KERNEL=ON.
 //
 //   fpv2_hopper_dense_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10] [--keep 0.03]
-//                          [--seed N]
+//                          [--page-size 128] [--seed N]
 //
 //   correctness  the refusal checks, then a grid of cases (B in {1, 3}, GQA 1/3/4/8, page sizes 128/256,
 //                lengths up to 4K with and without a cached prefix, padded strides, an explicit scale), each
@@ -11,7 +11,7 @@
 //                correction: each run poisons out/lse with NaN, runs the kernel and compares every output and
 //                lse with a naive fp32 reference kernel; also counts stray writes outside the outputs.
 //   small        one small case (for compute-sanitizer).
-//   timing       B=1, Hq=32, Hkv=8, d=128, page 128, L in --lengths: median of --repeats runs (CUDA events)
+//   timing       B=1, Hq=32, Hkv=8, d=128, page --page-size (128), L in --lengths: median of --repeats runs (CUDA events)
 //                and TFLOP/s with the causal convention 4 * B * Hq * L^2 * d / 2, dense, then sparse at
 //                --keep (a random CSR of about that density) without and with the correction; plus a
 //                reference check on 16 sampled query tokens each.
@@ -213,7 +213,7 @@ std::vector<nt::CaseSpec> correctness_grid() {
   std::vector<nt::CaseSpec> cases;
   uint64_t seed = 11;
   for (int group : {1, 4, 8}) {
-    for (int page : {128, 256}) {
+    for (int page : {1, 16, 128, 256}) {
       const std::string tag = "g" + std::to_string(group) + "_p" + std::to_string(page);
       if (page == 128) {
         cases.push_back(spec("B1_4k_noprefix_" + tag, 2, group, page, {4096}, {0}, seed++));
@@ -232,6 +232,10 @@ std::vector<nt::CaseSpec> correctness_grid() {
   cases.push_back(padded);
   // Lengths that are exact multiples of the tile (no partial tail block) and a one-token request.
   cases.push_back(spec("B3_exact_tiles", 2, 8, 128, {128, 256, 1}, {0, 128, 255}, seed++));
+  // The cp.async gather with a split group, exact tiles, and a page size that is neither 1 nor a power of 2.
+  cases.push_back(spec("B3_g3_split_groups_p16", 2, 3, 16, {5, 129, 1000}, {0, 127, 3001}, seed++));
+  cases.push_back(spec("B3_exact_tiles_p64", 2, 8, 64, {128, 256, 1}, {0, 128, 255}, seed++));
+  cases.push_back(spec("B2_varlen_p24", 2, 4, 24, {333, 1024}, {64, 0}, seed++));
   return cases;
 }
 
@@ -274,16 +278,6 @@ int run_refusals() {
     void (*edit)(fpv2_prefill_args_t&, fpv2_paged_batch_t&);
   };
   const Variant variants[] = {
-      {"page_size 64", FPV2_ERROR_UNSUPPORTED,
-       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t& b) {
-         b.page_size = 64;
-         b.num_pages = 10;
-         for (fpv2_tensor_t* t : {&a.k_cache, &a.v_cache}) {
-           t->shape[0] = 10;
-           t->shape[1] = 64;
-           t->strides[0] = 64 * t->strides[1];
-         }
-       }},
       {"head dim 64", FPV2_ERROR_UNSUPPORTED,
        [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
          for (fpv2_tensor_t* t : {&a.q, &a.out}) {
@@ -381,10 +375,10 @@ bool time_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, int repea
   return true;
 }
 
-int run_timing(const std::vector<int>& lengths, int repeats, double keep, cudaStream_t stream) {
+int run_timing(const std::vector<int>& lengths, int repeats, double keep, int page_size, cudaStream_t stream) {
   int failures = 0;
   for (int L : lengths) {
-    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, 128, {L}, {0}, 1000 + uint64_t(L));
+    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, {L}, {0}, 1000 + uint64_t(L));
     s.q_range = 1.0f;
     nt::PagedCase c(s);
     const double flops = 4.0 * 1 * c.num_q_heads() * double(L) * double(L) * kHeadDim / 2.0;
@@ -414,17 +408,17 @@ int run_timing(const std::vector<int>& lengths, int repeats, double keep, cudaSt
       // Sparse: time relative to density x dense time (target <= 1.15); corrected: overhead over sparse.
       const double vs_density = variant > 0 && dense_ms > 0 ? median / (density * dense_ms) : 1.0;
       const double overhead = variant == 2 && sparse_ms > 0 ? median / sparse_ms - 1.0 : 0.0;
-      std::printf("[%s] timing L=%d B=1 Hq=32 Hkv=8 d=128 page=128 bf16 causal %-29s density %.4f: median %.3f ms "
+      std::printf("[%s] timing L=%d B=1 Hq=32 Hkv=8 d=128 page=%d bf16 causal %-29s density %.4f: median %.3f ms "
                   "over %d runs (min %.3f, max %.3f) -> %.1f dense-equivalent TFLOP/s; time / (density x dense) "
                   "%.3f; correction overhead %.1f%%; sampled check max|err|=%.3e rel_rms=%.3e lse_err=%.3e\n",
-                  sample_ok ? "PASS" : "FAIL", L, impl, density, median, repeats, times.front(), times.back(),
+                  sample_ok ? "PASS" : "FAIL", L, page_size, impl, density, median, repeats, times.front(), times.back(),
                   flops / (median * 1e9), vs_density, 100.0 * overhead, st.max_abs_err, rel_rms, st.max_lse_err);
       std::printf("RESULT {\"impl\": \"%s\", \"B\": 1, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, \"d\": 128, "
-                  "\"page_size\": 128, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
+                  "\"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "
                   "\"correction_overhead\": %.4f, \"repeats\": %d, \"sample_max_abs_err\": %.4e, "
                   "\"sample_rel_rms\": %.4e}\n",
-                  impl, L, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
+                  impl, L, page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
                   st.max_abs_err, rel_rms);
       failures += sample_ok ? 0 : 1;
     }
@@ -454,6 +448,7 @@ int main(int argc, char** argv) {
   std::vector<int> lengths = {32768, 131072};
   int repeats = 10;
   double keep = 0.03;
+  int page_size = 128;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--mode" && i + 1 < argc) {
@@ -462,6 +457,8 @@ int main(int argc, char** argv) {
       lengths = parse_list(argv[++i]);
     } else if (arg == "--repeats" && i + 1 < argc) {
       repeats = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--page-size" && i + 1 < argc) {
+      page_size = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--keep" && i + 1 < argc) {
       keep = std::atof(argv[++i]);
     } else if (arg == "--seed" && i + 1 < argc) {
@@ -469,7 +466,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--mode correctness|small|timing|refusals] [--lengths L1,L2] [--repeats N] [--keep P] "
-                   "[--seed N]\n",
+                   "[--page-size P] [--seed N]\n",
                    argv[0]);
       return 2;
     }
@@ -488,8 +485,9 @@ int main(int argc, char** argv) {
       for (const nt::CaseSpec& s : correctness_grid()) failures += run_case(s, stream);
     } else if (mode == "small") {
       failures += run_case(spec("small_B3_g4_p128", 2, 4, 128, {3, 130, 300}, {0, 200, 61}, 5), stream);
+      failures += run_case(spec("small_B3_g4_p16", 2, 4, 16, {3, 130, 300}, {0, 200, 61}, 6), stream);
     } else if (mode == "timing") {
-      failures += run_timing(lengths, repeats, keep, stream);
+      failures += run_timing(lengths, repeats, keep, page_size, stream);
     } else {
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
       return 2;

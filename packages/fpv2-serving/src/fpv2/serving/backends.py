@@ -251,7 +251,12 @@ class HopperBackend:
     def serves(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
     ) -> str | None:
-        """Host-side check of what the kernel serves (the library refuses the rest with the same reasons).
+        """Host-side check of the calls ``auto`` sends to the kernel (others go to the fallback backend).
+
+        The kernel itself also runs pages that are not a multiple of 128 (a
+        cp.async gather, when named explicitly), but slower than the Triton
+        kernel, so ``auto`` does not send them; the library refuses what it
+        cannot run at all (dtype, head dim) with the same reasons.
 
         Args:
             q: the queries.
@@ -269,7 +274,11 @@ class HopperBackend:
         if q.shape[-1] != self.kv_tile:
             return f"the Hopper kernel is built for head dim 128; got {q.shape[-1]}"
         if batch.page_size % self.kv_tile:
-            return f"the Hopper kernel's TMA path needs page_size % 128 == 0; got page_size={batch.page_size}"
+            # Served (cp.async gather), but measured slower than the Triton kernel on the H200: keep auto there.
+            return (
+                f"page_size={batch.page_size}: the Hopper kernel's cp.async gather for pages that are not a "
+                "multiple of 128 is slower than the Triton kernel (H200); its TMA path needs page_size % 128 == 0"
+            )
         if index is not None and index.block_size != self.kv_tile:
             return f"the Hopper kernel visits 128-token blocks; got index.block_size={index.block_size}"
         return None
