@@ -91,3 +91,65 @@ def test_fallback_backend_matches_the_fallback_alone_on_pages_it_does_not_serve(
     want = SparsePrefillPipeline(backend=reference)(wl.q, wl.k_cache, wl.v_cache, wl.batch).out
     assert wrapped.last_choice == ("reference", f"page_size={page_size}")
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_dense_strategy_runs_the_backends_dense_mode_and_equals_the_full_csr():
+    # The "dense" strategy without correction calls run_dense (no CSR walk) when the backend has one;
+    # its output must equal the backend run over the index of every visible block.
+    from fpv2.kernel.testing import planted_workload
+    from fpv2.serving import SparsePrefillPipeline
+    from fpv2.serving.pipeline import DENSE_STRATEGY
+
+    reference = registry.resolve_backend("reference")
+
+    class WithDenseMode:
+        name, derives_todo = "with-dense-mode", False
+
+        def __init__(self) -> None:
+            self.calls = []
+
+        def available(self):
+            return True, "here"
+
+        def run(self, *args, **kwargs):
+            self.calls.append("run")
+            return reference.run(*args, **kwargs)
+
+        def run_dense(self, q, k_cache, v_cache, batch, **kwargs):
+            self.calls.append("run_dense")
+            full = SparsePrefillPipeline(strategy=DENSE_STRATEGY, correction=False, backend=reference)
+            return full(q, k_cache, v_cache, batch).out
+
+    wl = planted_workload([300], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    backend = WithDenseMode()
+    dense = SparsePrefillPipeline(strategy=DENSE_STRATEGY, correction=False, backend=backend)
+    got = dense(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    assert backend.calls == ["run_dense"] and got.index.density(wl.batch) == 1.0
+    want = SparsePrefillPipeline(strategy=DENSE_STRATEGY, correction=False, backend=reference)(
+        wl.q, wl.k_cache, wl.v_cache, wl.batch
+    )
+    torch.testing.assert_close(got.out, want.out, rtol=0, atol=0)
+    SparsePrefillPipeline(correction=False, backend=backend)(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    assert backend.calls == ["run_dense", "run"]  # a sparse strategy walks its CSR
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernel needs a GPU or the interpreter",
+)
+def test_triton_dense_mode_equals_its_run_over_every_visible_block():
+    from fpv2.kernel.testing import planted_workload
+    from fpv2.serving import SparsePrefillPipeline
+    from fpv2.serving.pipeline import DENSE_STRATEGY
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    wl = planted_workload([200], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=dtype, device=device)
+    triton = registry.TritonBackend()
+    got = SparsePrefillPipeline(strategy=DENSE_STRATEGY, correction=False, backend=triton)(
+        wl.q, wl.k_cache, wl.v_cache, wl.batch
+    )
+    index = got.index
+    want = triton.run(wl.q, wl.k_cache, wl.v_cache, wl.batch, index, None, softmax_scale=None, q_descale=None,
+                      k_descale=None, v_descale=None)  # fmt: skip
+    torch.testing.assert_close(got.out.float(), want.float(), rtol=1e-2, atol=1e-2)

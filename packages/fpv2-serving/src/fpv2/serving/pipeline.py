@@ -62,7 +62,10 @@ class SparsePrefillPipeline:
     Args:
         config: selection parameters (None: :class:`fpv2.index.SelectionConfig` defaults).
         strategy: a name from :func:`fpv2.index.available_strategies`;
-            ``"dense"`` keeps every visible block (the dense mode).
+            ``"dense"`` keeps every visible block (the dense mode); without the
+            correction it runs the backend's own dense mode (``run_dense``, no
+            CSR to walk) when the backend has one, and the index is still built
+            for the result.
         correction: add the mean correction for pruned blocks.
         backend: ``"auto"``, a backend name, or a backend object (see
             :func:`fpv2.serving.backends.resolve_backend`).
@@ -181,18 +184,19 @@ class SparsePrefillPipeline:
             derives_todo = getattr(self.backend, "derives_todo", False)
             plan = CorrectionPlan(statistics) if derives_todo else build_correction_plan(index, statistics, batch)
         clock.mark("correction")
-        out = self.backend.run(
-            q,
-            k_cache,
-            v_cache,
-            batch,
-            index,
-            plan,
-            softmax_scale=self.config.scale_for(shapes.head_dim),
-            q_descale=q_descale,
-            k_descale=k_descale,
-            v_descale=v_descale,
-        )
+        scale = self.config.scale_for(shapes.head_dim)
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        run_dense = getattr(self.backend, "run_dense", None)
+        if (
+            self.strategy == DENSE_STRATEGY
+            and plan is None
+            and callable(run_dense)
+            and is_builtin_strategy(self.strategy)
+        ):
+            # Every visible block: the kernel's own dense mode is the same attention without walking a CSR.
+            out = run_dense(q, k_cache, v_cache, batch, softmax_scale=scale, **descales)
+        else:
+            out = self.backend.run(q, k_cache, v_cache, batch, index, plan, softmax_scale=scale, **descales)
         clock.mark("attention")
         return PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)
 
