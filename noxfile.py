@@ -93,7 +93,7 @@ def native(session: nox.Session) -> None:
     )  # fmt: skip
     session.run("cmake", "--build", build_dir, "-j", str(os.cpu_count() or 2))
     session.run(os.path.join(build_dir, "fpv2_hopper_layout_check"), external=True)
-    session.run(os.path.join(build_dir, "fpv2_hopper_dense_test"), "--mode", "refusals", external=True)
+    session.run(os.path.join(build_dir, "fpv2_hopper_prefill_test"), "--mode", "refusals", external=True)
 
 
 @nox.session

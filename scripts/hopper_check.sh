@@ -5,8 +5,8 @@
 #   1. the ptxas report of the kernel (registers, spills, barriers) and a SASS census (HGMMA, UTMALDG,
 #      USETMAXREG, local memory) from cuobjdump;
 #   2. fpv2_hopper_layout_check (host-only index algebra);
-#   3. fpv2_hopper_dense_test --mode correctness (refusals + the case grid against the fp32 reference);
-#   4. fpv2_hopper_dense_test --mode timing (L = 32K and 128K, B=1, Hq=32, Hkv=8: median of 10, TFLOP/s;
+#   3. fpv2_hopper_prefill_test --mode correctness (refusals + the case grid against the fp32 reference);
+#   4. fpv2_hopper_prefill_test --mode timing (L = 32K and 128K, B=1, Hq=32, Hkv=8: median of 10, TFLOP/s;
 #      dense, then sparse at HOPPER_KEEP without and with the correction);
 #   5. compute-sanitizer memcheck (and racecheck, reported but not fatal) on --mode small.
 # Every step runs even when an earlier one failed (a failed build skips the programs); the script exits 1
@@ -110,13 +110,13 @@ configure_and_build() {
         -DCMAKE_BUILD_TYPE=Release "${cutlass_args[@]}" || return 1
     local t0=$SECONDS
     # -v prints each nvcc command line; the ptxas report follows its compile.
-    cmake --build "$BUILD" -j "$JOBS" -v --target fpv2_hopper_dense_test fpv2_hopper_layout_check || return 1
+    cmake --build "$BUILD" -j "$JOBS" -v --target fpv2_hopper_prefill_test fpv2_hopper_layout_check || return 1
     echo "hopper targets built in $((SECONDS - t0))s with $JOBS jobs"
 }
 
 ptxas_and_sass() {
     echo "--- ptxas report of the kernel (from build.log)"
-    grep -A3 "Compiling entry function '.*dense_prefill_kernel" "$OUT/build.log" || echo "(no ptxas report found)"
+    grep -A3 "Compiling entry function '.*prefill_kernel" "$OUT/build.log" || echo "(no ptxas report found)"
     grep -n "C7508\|setmaxnreg" "$OUT/build.log" && echo "!!! setmaxnreg warning above"
     local cuobjdump
     cuobjdump="$(find_tool cuobjdump)" || {
@@ -124,13 +124,13 @@ ptxas_and_sass() {
         return 1
     }
     # The test program also holds the reference and fill kernels: keep only the prefill kernel's SASS.
-    "$cuobjdump" --dump-sass "$BUILD/fpv2_hopper_dense_test" 2>/dev/null |
-        awk '/Function : /{keep = ($0 ~ /dense_prefill_kernel/)} keep' >"$OUT/kernel.sass" || return 1
+    "$cuobjdump" --dump-sass "$BUILD/fpv2_hopper_prefill_test" 2>/dev/null |
+        awk '/Function : /{keep = ($0 ~ /prefill_kernel/)} keep' >"$OUT/kernel.sass" || return 1
     [[ -s "$OUT/kernel.sass" ]] || {
-        echo "!!! no dense_prefill_kernel SASS found"
+        echo "!!! no prefill_kernel SASS found"
         return 1
     }
-    "$cuobjdump" --dump-resource-usage "$BUILD/fpv2_hopper_dense_test" 2>/dev/null | grep -A1 "dense_prefill_kernel"
+    "$cuobjdump" --dump-resource-usage "$BUILD/fpv2_hopper_prefill_test" 2>/dev/null | grep -A1 "prefill_kernel"
     echo "--- SASS census (counts of instruction forms)"
     local forms="HGMMA[.A-Z0-9x]*|UTMALDG[.A-Z0-9]*|USETMAXREG[._A-Z]*|LDGSTS[.A-Z0-9]*|SYNCS[.A-Z0-9]*"
     grep -oE "$forms|\bLDL[.A-Z0-9]*|\bSTL[.A-Z0-9]*" "$OUT/kernel.sass" | sort | uniq -c
@@ -150,11 +150,11 @@ sanitize() {
         echo "compute-sanitizer not found"
         return 1
     }
-    "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_dense_test" --mode small --seed "$SEED" ||
+    "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small --seed "$SEED" ||
         return $?
     if [[ "${HOPPER_SKIP_RACECHECK:-0}" != 1 ]]; then
         echo "--- racecheck (informational: reported, not fatal)"
-        "$sanitizer" --tool racecheck --racecheck-report all "$BUILD/fpv2_hopper_dense_test" --mode small \
+        "$sanitizer" --tool racecheck --racecheck-report all "$BUILD/fpv2_hopper_prefill_test" --mode small \
             --seed "$SEED" || echo "(racecheck exit status $?)"
     fi
     return 0
@@ -169,11 +169,11 @@ main() {
     if run_step build 360 "$OUT/build.log" configure_and_build; then
         run_step ptxas-sass 60 /dev/null ptxas_and_sass
         run_step layout-check 60 "$OUT/layout_check.log" "$BUILD/fpv2_hopper_layout_check"
-        run_step correctness 150 "$OUT/correctness.log" "$BUILD/fpv2_hopper_dense_test" --mode correctness \
+        run_step correctness 150 "$OUT/correctness.log" "$BUILD/fpv2_hopper_prefill_test" --mode correctness \
             --seed "$SEED"
         local page
         for page in $PAGES; do
-            run_step "timing page=$page" 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_dense_test" --mode timing \
+            run_step "timing page=$page" 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_prefill_test" --mode timing \
                 --lengths "$LENGTHS" --repeats "$REPEATS" --keep "$KEEP" --page-size "$page" --seed "$SEED"
         done
         grep "^RESULT " "$OUT/timing.log" | sed 's/^RESULT //' >"$OUT/results.jsonl"
@@ -181,7 +181,7 @@ main() {
     fi
     echo
     echo "=== summary ($((SECONDS - START))s)"
-    grep -A3 "Compiling entry function '.*dense_prefill_kernel" "$OUT/build.log" | grep -E "spill|registers" || true
+    grep -A3 "Compiling entry function '.*prefill_kernel" "$OUT/build.log" | grep -E "spill|registers" || true
     grep -hE "^\[(PASS|FAIL)\]|^(PASS|FAIL):" "$OUT/correctness.log" "$OUT/timing.log" 2>/dev/null | cut -c1-220
     grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" 2>/dev/null
     printf '  %s\n' "${STATUS[@]}"

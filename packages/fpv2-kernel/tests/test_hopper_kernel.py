@@ -3,7 +3,7 @@
 ``hopper`` tests need an sm_90 GPU and a library built with the kernel; they run
 on the device (``scripts/device_check.sh``). The kernel's own native grid (every
 output poisoned, stray writes counted, compute-sanitizer) is
-``tests/native/hopper_dense_test.cu``; this file checks the binding end to end:
+``tests/native/hopper_prefill_test.cu``; this file checks the binding end to end:
 struct building, the bf16 hand-over of the pooled statistics, streams, refusals,
 on both K/V paths (TMA at page sizes 128/256, the cp.async gather at 1/16).
 """

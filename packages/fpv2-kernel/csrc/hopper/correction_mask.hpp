@@ -20,7 +20,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "hopper/block_schedule.hpp"
-#include "hopper/dense_prefill_plan.hpp"
+#include "hopper/prefill_plan.hpp"
 #include "hopper/named_barriers.hpp"
 
 namespace fpv2::hopper {

@@ -1,4 +1,4 @@
-// A multi-stage shared-memory pipeline on mbarriers, filled by TMA and drained by the consumer warps.
+// A multi-stage shared-memory pipeline on mbarriers, filled by TMA or cp.async and drained by the consumer warps.
 //
 // Each stage has two barriers:
 //   full[s]   TMA: arrive count 1: the producer's arrive.expect_tx announces the TMA bytes; the stage is full

@@ -1,4 +1,4 @@
-// Shared-memory plan of one CTA of the dense prefill kernel.
+// Shared-memory plan of one CTA of the prefill kernel.
 //
 // Every tile buffer starts on a 1024-byte boundary: the 128-byte swizzle repeats every 8 rows of 128 bytes,
 // and the hardware (TMA writes, wgmma reads) swizzles on absolute shared-memory address bits, while the
@@ -18,7 +18,7 @@ namespace fpv2::hopper {
 inline constexpr int kSmemTileAlignment = 1024;
 
 template <class Traits>
-struct DensePrefillSharedStorage {
+struct PrefillSharedStorage {
   using Element = typename Traits::Element;
   alignas(kSmemTileAlignment) Element q[cute::cosize_v<typename Traits::SmemLayoutQ>];
   alignas(kSmemTileAlignment) Element k[cute::cosize_v<typename Traits::SmemLayoutK>];
@@ -30,8 +30,8 @@ struct DensePrefillSharedStorage {
 
 // Dynamic shared memory to request: the storage plus the slack used to align its base.
 template <class Traits>
-constexpr std::size_t dense_prefill_smem_bytes() {
-  return sizeof(DensePrefillSharedStorage<Traits>) + kSmemTileAlignment;
+constexpr std::size_t prefill_smem_bytes() {
+  return sizeof(PrefillSharedStorage<Traits>) + kSmemTileAlignment;
 }
 
 }  // namespace fpv2::hopper

@@ -6,7 +6,7 @@
 #if FPV2_HAVE_HOPPER_KERNEL
 #include <cuda_runtime_api.h>
 
-#include "hopper/launch_dense_prefill.hpp"
+#include "hopper/launch_prefill.hpp"
 #endif
 
 extern "C" {
@@ -27,7 +27,7 @@ FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args) {
   return fpv2::detail::guarded("fpv2_prefill", [&] {
     FPV2_RETURN_IF_ERROR(fpv2::detail::validate_prefill_args(args));
 #if FPV2_HAVE_HOPPER_KERNEL
-    return fpv2::hopper::launch_dense_prefill(*args, static_cast<cudaStream_t>(args->stream));
+    return fpv2::hopper::launch_prefill(*args, static_cast<cudaStream_t>(args->stream));
 #else
     return fpv2::detail::fail(
         FPV2_ERROR_NOT_BUILT,

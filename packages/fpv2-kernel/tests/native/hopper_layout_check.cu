@@ -1,4 +1,4 @@
-// Host-only checks of the dense prefill kernel's register and shared-memory index algebra (no GPU needed).
+// Host-only checks of the prefill kernel's register and shared-memory index algebra (no GPU needed).
 //
 // The kernel relies on facts that CuTe layouts imply but that a typo would silently break:
 //   1. the fp32 S accumulator of a consumer thread, regrouped as the RS A operand
@@ -19,12 +19,12 @@
 
 #include <cute/tensor.hpp>
 
-#include "hopper/dense_prefill_traits.hpp"
+#include "hopper/prefill_traits.hpp"
 #include "hopper/fragment_layouts.hpp"
 #include "hopper/tile_geometry.hpp"
 
 using namespace cute;
-using Traits = fpv2::hopper::DensePrefillTraits<128>;
+using Traits = fpv2::hopper::PrefillTraits<128>;
 
 namespace {
 

@@ -1,4 +1,4 @@
-// What the host launcher hands to one compiled instantiation of the dense prefill kernel: raw pointers,
+// What the host launcher hands to one compiled instantiation of the prefill kernel: raw pointers,
 // element strides and sizes already checked against what the kernel can serve. Free of CuTe and CUDA
 // headers so that the launcher translation unit stays cheap to compile.
 #pragma once
@@ -11,7 +11,7 @@ namespace fpv2::hopper {
 // 2^21 tokens at 128-token blocks. The launcher refuses longer requests when the correction is on.
 inline constexpr int kMaxCorrectionBlocks = 16384;
 
-struct DensePrefillPlan {
+struct PrefillPlan {
   // Queries and outputs (total_q, Hq, d), lse (total_q, Hq) or nullptr; strides in elements.
   const void* q;
   int64_t q_token_stride;

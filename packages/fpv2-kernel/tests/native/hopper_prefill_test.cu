@@ -1,8 +1,8 @@
-// Standalone test and timing program of the sm_90a causal prefill kernel (fpv2::hopper::launch_dense_prefill:
+// Standalone test and timing program of the sm_90a causal prefill kernel (fpv2::hopper::launch_prefill:
 // dense, block-sparse over a CSR index, with or without the mean correction), built with
 // -DFPV2_BUILD_HOPPER_KERNEL=ON.
 //
-//   fpv2_hopper_dense_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10] [--keep 0.03]
+//   fpv2_hopper_prefill_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10] [--keep 0.03]
 //                          [--page-size 128] [--seed N]
 //
 //   correctness  the refusal checks, then a grid of cases (B in {1, 3}, GQA 1/3/4/8, page sizes 128/256,
@@ -32,7 +32,7 @@
 
 #include "abi/errors.hpp"
 #include "error_stats.cuh"
-#include "hopper/launch_dense_prefill.hpp"
+#include "hopper/launch_prefill.hpp"
 #include "paged_case.cuh"
 #include "reference_attention.cuh"
 #include "sparse_case.cuh"
@@ -74,7 +74,7 @@ int32_t run_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, cudaStr
   FPV2_TEST_CUDA(cudaEventCreate(&start));
   FPV2_TEST_CUDA(cudaEventCreate(&stop));
   FPV2_TEST_CUDA(cudaEventRecord(start, stream));
-  status = fpv2::hopper::launch_dense_prefill(args, stream);
+  status = fpv2::hopper::launch_prefill(args, stream);
   FPV2_TEST_CUDA(cudaEventRecord(stop, stream));
   FPV2_TEST_CUDA(cudaEventSynchronize(stop));
   FPV2_TEST_CUDA(cudaGetLastError());
@@ -82,7 +82,7 @@ int32_t run_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, cudaStr
   FPV2_TEST_CUDA(cudaEventDestroy(start));
   FPV2_TEST_CUDA(cudaEventDestroy(stop));
   if (status != FPV2_OK) {
-    std::printf("  launch_dense_prefill: status %d: %s\n", status, fpv2::detail::last_error_message());
+    std::printf("  launch_prefill: status %d: %s\n", status, fpv2::detail::last_error_message());
   }
   return status;
 }
@@ -352,7 +352,7 @@ int run_refusals() {
       ++failures;
       continue;
     }
-    const int32_t status = fpv2::hopper::launch_dense_prefill(a, nullptr);
+    const int32_t status = fpv2::hopper::launch_prefill(a, nullptr);
     const std::string message = fpv2::detail::last_error_message();
     const bool ok = status == v.expected && !message.empty();
     std::printf("[%s] refusal '%s': status %d (%s) message: %s\n", ok ? "PASS" : "FAIL", v.what, status,

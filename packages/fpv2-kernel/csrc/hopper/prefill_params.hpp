@@ -17,7 +17,7 @@
 namespace fpv2::hopper {
 
 template <class Traits>
-struct DensePrefillParams {
+struct PrefillParams {
   using Element = typename Traits::Element;
   using CacheShape = cute::Shape<int32_t, int32_t>;
   using RowMajorStride = cute::Stride<int64_t, cute::_1>;

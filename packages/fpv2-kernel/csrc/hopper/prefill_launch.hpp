@@ -1,4 +1,4 @@
-// Host side of one instantiation of the dense prefill kernel: TMA descriptors over the paged cache,
+// Host side of one instantiation of the prefill kernel: TMA descriptors over the paged cache,
 // kernel parameters, grid, shared-memory opt-in and the launch. Included by the instantiation files only
 // (it pulls in CuTe and the kernel).
 #pragma once
@@ -12,11 +12,11 @@
 #include <cute/tensor.hpp>
 
 #include "abi/errors.hpp"
-#include "hopper/dense_prefill_instances.hpp"
-#include "hopper/dense_prefill_kernel.hpp"
-#include "hopper/dense_prefill_params.hpp"
-#include "hopper/dense_prefill_plan.hpp"
-#include "hopper/dense_prefill_traits.hpp"
+#include "hopper/prefill_instances.hpp"
+#include "hopper/prefill_kernel.hpp"
+#include "hopper/prefill_params.hpp"
+#include "hopper/prefill_plan.hpp"
+#include "hopper/prefill_traits.hpp"
 #include "hopper/shared_storage.hpp"
 
 namespace fpv2::hopper {
@@ -47,10 +47,10 @@ inline int32_t check_tensor_map_entry_point() {
 }  // namespace detail
 
 template <int kHeadDim>
-int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
+int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
   using namespace cute;
-  using Traits = DensePrefillTraits<kHeadDim>;
-  using Params = DensePrefillParams<Traits>;
+  using Traits = PrefillTraits<kHeadDim>;
+  using Params = PrefillParams<Traits>;
   using Element = typename Traits::Element;
 
   if (plan.head_dim != kHeadDim) {
@@ -129,8 +129,8 @@ int32_t run_dense_prefill(const DensePrefillPlan& plan, cudaStream_t stream) {
       static_cast<Element const*>(plan.pooled_v),
   };
 
-  auto kernel = dense_prefill_kernel<Traits>;
-  const int smem_bytes = static_cast<int>(dense_prefill_smem_bytes<Traits>());
+  auto kernel = prefill_kernel<Traits>;
+  const int smem_bytes = static_cast<int>(prefill_smem_bytes<Traits>());
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) {
     return fpv2::detail::fail(FPV2_ERROR_CUDA,

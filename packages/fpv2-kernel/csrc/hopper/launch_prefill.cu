@@ -1,15 +1,15 @@
 // Host launcher of the Hopper prefill kernel: refuses, with a message, every configuration the
-// compiled instantiations cannot serve, turns the ABI arguments into a DensePrefillPlan and dispatches
+// compiled instantiations cannot serve, turns the ABI arguments into a PrefillPlan and dispatches
 // on the head dim. Host code only: the kernel and CuTe live in the instantiation files.
-#include "hopper/launch_dense_prefill.hpp"
+#include "hopper/launch_prefill.hpp"
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "abi/errors.hpp"
-#include "hopper/dense_prefill_instances.hpp"
-#include "hopper/dense_prefill_plan.hpp"
+#include "hopper/prefill_instances.hpp"
+#include "hopper/prefill_plan.hpp"
 #include "validate/tensor_checks.hpp"
 
 namespace fpv2::hopper {
@@ -147,7 +147,7 @@ int32_t check_device(int device) {
 
 }  // namespace
 
-int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
+int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   if (args.batch == nullptr) {
     return fail(FPV2_ERROR_INVALID_ARGUMENT, "fpv2_prefill_args_t.batch is NULL (validate the arguments first)");
   }
@@ -169,7 +169,7 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
                        dtype_name(q.dtype).c_str(), describe(q).c_str()));
   }
   const int64_t head_dim = q.shape[2];
-  if (!dense_prefill_head_dim_built(static_cast<int>(head_dim))) {
+  if (!prefill_head_dim_built(static_cast<int>(head_dim))) {
     return fail(FPV2_ERROR_UNSUPPORTED,
                 format("fpv2_prefill_args_t.q: head dim d=%lld has no compiled Hopper instantiation in this "
                        "build (built: d=128); got %s",
@@ -206,7 +206,7 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
   FPV2_RETURN_IF_ERROR(guard.select(args.device));
   FPV2_RETURN_IF_ERROR(check_device(guard.device()));
 
-  DensePrefillPlan plan{};
+  PrefillPlan plan{};
   plan.q = q.data;
   plan.q_token_stride = q.strides[0];
   plan.q_head_stride = q.strides[1];
@@ -253,7 +253,7 @@ int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t strea
 
   switch (plan.head_dim) {
     case 128:
-      return run_dense_prefill<128>(plan, stream);
+      return run_prefill<128>(plan, stream);
     default:
       return fail(FPV2_ERROR_INTERNAL, format("fpv2 Hopper prefill: no dispatch for d=%d", plan.head_dim));
   }

@@ -23,7 +23,7 @@
 #include <cutlass/cutlass.h>
 
 #include "hopper/consumer_mainloop.hpp"
-#include "hopper/dense_prefill_params.hpp"
+#include "hopper/prefill_params.hpp"
 #include "hopper/kv_gather_producer.hpp"
 #include "hopper/kv_pipeline.hpp"
 #include "hopper/kv_producer.hpp"
@@ -39,8 +39,8 @@ namespace fpv2::hopper {
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
-    dense_prefill_kernel(__grid_constant__ const DensePrefillParams<Traits> params) {
-  using Storage = DensePrefillSharedStorage<Traits>;
+    prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
+  using Storage = PrefillSharedStorage<Traits>;
   using Geometry = TileGeometry<Traits::kBlockM, Traits::kBlockN>;
   using Pipeline = KvPipeline<Traits::kStages>;
 

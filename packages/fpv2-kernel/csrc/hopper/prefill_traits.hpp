@@ -1,11 +1,12 @@
-// Compile-time configuration of the sm_90a dense causal prefill kernel: tile shapes, warp roles,
+// Compile-time configuration of the sm_90a causal prefill kernel: tile shapes, warp roles,
 // register budgets, the two warpgroup MMAs and the shared-memory layouts they read.
 //
 // One CTA computes one PackGQA query tile: kBlockM = 128 packed rows of one KV head (FPV2_KERNEL_TILE_SIZE)
 // against the request's visible KV blocks of kBlockN = 128 tokens. Three warpgroups:
-//   WG0      producer: one elected thread of warp 0 issues the TMA loads of K and V tiles from the paged cache;
+//   WG0      producer: one elected thread issues the TMA loads of K and V tiles from the paged cache (or, for
+//            pages that are not a multiple of 128, the whole warpgroup gathers them with cp.async);
 //   WG1, WG2 consumers: each owns 64 of the 128 query rows (QK^T SS wgmma, online softmax, PV RS wgmma).
-// This first step is neither persistent nor pingponged; see dense_prefill_kernel.hpp for what comes next.
+// This first step is neither persistent nor pingponged; see prefill_kernel.hpp for what comes next.
 #pragma once
 
 #include <cute/arch/mma_sm90.hpp>
@@ -19,7 +20,7 @@
 namespace fpv2::hopper {
 
 template <int kHeadDim_, int kStages_ = 2>
-struct DensePrefillTraits {
+struct PrefillTraits {
   using Element = cutlass::bfloat16_t;
   using Accum = float;
 

@@ -21,6 +21,6 @@ namespace fpv2::hopper {
 // capability 9.0 device. Anything else is refused with
 // FPV2_ERROR_UNSUPPORTED (or FPV2_ERROR_INVALID_ARGUMENT for misaligned data) and a message naming the
 // argument; nothing is launched then. Returns an fpv2_status_t and sets the thread's last error.
-int32_t launch_dense_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream);
+int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream);
 
 }  // namespace fpv2::hopper
