@@ -70,7 +70,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def native(session: nox.Session) -> None:
-    """Build the sm_90a Hopper dense kernel and its test programs; run their host-only checks.
+    """Build the sm_90a Hopper kernel and its test programs; run their host-only checks.
 
     Needs nvcc (no GPU): keeps the CuTe kernel compiling, checks the fragment and tile
     algebra (``fpv2_hopper_layout_check``) and the launcher's refusals. Its GPU modes run on
