@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "abi/errors.hpp"
@@ -128,6 +130,23 @@ int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_p
   return FPV2_OK;
 }
 
+// FPV2_HOPPER_GATHER selects the cp.async gather layout for pages that are not a multiple of 128: "row"
+// (default: one token row per producer thread, measured) or "shared" (shared rows + coalesced copies, not
+// yet measured; for A/B runs on the device).
+int32_t gather_layout_from_environment(int32_t* layout) {
+  const char* value = std::getenv("FPV2_HOPPER_GATHER");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "row") == 0) {
+    *layout = 1;
+    return FPV2_OK;
+  }
+  if (std::strcmp(value, "shared") == 0) {
+    *layout = 2;
+    return FPV2_OK;
+  }
+  return fail(FPV2_ERROR_INVALID_ARGUMENT,
+              format("environment FPV2_HOPPER_GATHER=%s: expected \"row\" (default) or \"shared\"", value));
+}
+
 int32_t check_device(int device) {
   int major = 0, minor = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -202,6 +221,9 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
                        ll(int64_t(batch.max_seqlen_q) * group)));
   }
 
+  int32_t gather_layout = 1;
+  FPV2_RETURN_IF_ERROR(gather_layout_from_environment(&gather_layout));
+
   DeviceGuard guard;
   FPV2_RETURN_IF_ERROR(guard.select(args.device));
   FPV2_RETURN_IF_ERROR(check_device(guard.device()));
@@ -237,6 +259,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   plan.softmax_scale =
       args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 
+  plan.gather_layout = gather_layout;
   if (args.index != nullptr) {
     plan.index_offsets = static_cast<const int32_t*>(args.index->offsets.data);
     plan.index_blocks = static_cast<const int32_t*>(args.index->blocks.data);

@@ -1,4 +1,4 @@
-// Named hardware barriers among consumer threads (ids counted after CUTLASS's reserved ones).
+// Named hardware barriers (ids counted after CUTLASS's reserved ones).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,12 @@ enum class ConsumerBarrier : uint32_t {
   kPendingLengths = 3,            // the correction's table of pending block lengths is filled / complete
 };
 
+// Named barriers among the producer warpgroup's threads (cp.async gather), after the consumer ones.
+enum class ProducerBarrier : uint32_t {
+  kGatherRows = 4,  // every producer thread published its token's cache row for the tile
+};
+
 __device__ __forceinline__ constexpr uint32_t barrier_id(ConsumerBarrier b) { return static_cast<uint32_t>(b); }
+__device__ __forceinline__ constexpr uint32_t barrier_id(ProducerBarrier b) { return static_cast<uint32_t>(b); }
 
 }  // namespace fpv2::hopper

@@ -25,6 +25,7 @@
 #include "hopper/consumer_mainloop.hpp"
 #include "hopper/prefill_params.hpp"
 #include "hopper/kv_gather_producer.hpp"
+#include "hopper/kv_gather_shared_rows_producer.hpp"
 #include "hopper/kv_pipeline.hpp"
 #include "hopper/kv_producer.hpp"
 #include "hopper/shared_storage.hpp"
@@ -75,8 +76,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // Each warpgroup's role is one branch, with its setmaxnreg first, as ptxas needs to honour it.
   if (warp < Traits::kThreadsPerWarpGroup / 32) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (params.gather) {
+    if (params.gather == 1) {
       KvGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x));
+    } else if (params.gather == 2) {
+      KvSharedRowsGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x));
     } else if (warp == 0 && cute::elect_one_sync()) {
       KvProducer<Traits>::run(params, tile, smem);
     }

@@ -56,6 +56,10 @@ struct PrefillPlan {
   int32_t pooled_rows;
   const int32_t* pooled_block_offsets;
   const int32_t* block_lengths;
+
+  // Gather layout for pages that are not a multiple of 128 (FPV2_HOPPER_GATHER): 1 = one token row per
+  // producer thread (default, measured), 2 = shared rows + coalesced copies (not yet measured).
+  int32_t gather_layout;
 };
 
 }  // namespace fpv2::hopper

@@ -26,6 +26,7 @@ struct PrefillSharedStorage {
   KvPipelineStorage<Traits::kStages> pipeline_k;
   KvPipelineStorage<Traits::kStages> pipeline_v;
   PendingLengthsStorage pending_lengths;  // mean correction only
+  int32_t gather_rows[2][Traits::kBlockN];  // shared-rows gather only: cache row of each token of a tile
 };
 
 // Dynamic shared memory to request: the storage plus the slack used to align its base.
