@@ -32,6 +32,7 @@
 #   HOPPER_KEEP          probability of keeping a block below the diagonal band in the sparse timing [0.03]
 #   HOPPER_PAGES         page sizes timed, space separated ["128 1": the TMA path and the cp.async gather]
 #   HOPPER_ALT_GATHER    also check and time this FPV2_HOPPER_GATHER layout at page size 1 ["shared"; empty: skip]
+#   HOPPER_PINGPONG      1: also check and time the FPV2_HOPPER_PINGPONG=1 schedule at page size 128 [1]
 #   HOPPER_SEED          input seed offset [seconds since the epoch, printed]
 #   HOPPER_SKIP_RACECHECK=1   skip the racecheck run
 #   CUOBJDUMP, COMPUTE_SANITIZER   tool paths [PATH, then /usr/local/cuda/bin]
@@ -52,6 +53,7 @@ REPEATS="${HOPPER_REPEATS:-10}"
 KEEP="${HOPPER_KEEP:-0.03}"
 PAGES="${HOPPER_PAGES:-128 1}"
 ALT_GATHER="${HOPPER_ALT_GATHER-shared}"
+PINGPONG="${HOPPER_PINGPONG:-1}"
 SEED="${HOPPER_SEED:-$(date +%s)}"
 START=$SECONDS
 FAILED=()
@@ -178,6 +180,15 @@ main() {
             run_step "timing page=$page" 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_prefill_test" --mode timing \
                 --lengths "$LENGTHS" --repeats "$REPEATS" --keep "$KEEP" --page-size "$page" --seed "$SEED"
         done
+        if [[ "$PINGPONG" == 1 ]]; then
+            # The consumers' pingpong schedule (kernel variant selected by FPV2_HOPPER_PINGPONG=1): grid, then
+            # the TMA-path timing.
+            run_step "correctness pingpong" 150 "$OUT/correctness.log" env FPV2_HOPPER_PINGPONG=1 \
+                "$BUILD/fpv2_hopper_prefill_test" --mode correctness --seed "$SEED"
+            run_step "timing page=128 pingpong" 120 "$OUT/timing.log" env FPV2_HOPPER_PINGPONG=1 \
+                "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
+                --keep "$KEEP" --page-size 128 --seed "$SEED"
+        fi
         if [[ -n "$ALT_GATHER" ]]; then
             # The alternative gather layout (kernel variant selected by FPV2_HOPPER_GATHER): grid, then page 1.
             run_step "correctness gather=$ALT_GATHER" 150 "$OUT/correctness.log" env FPV2_HOPPER_GATHER="$ALT_GATHER" \

@@ -582,13 +582,17 @@ def test_prefill_with_the_kernel_but_no_gpu_reports_the_cuda_failure() -> None:
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")
-def test_unknown_gather_layout_in_the_environment_is_refused(monkeypatch) -> None:
+def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> None:
     # Read before any device work, so the refusal shows on machines without a GPU too.
     case = Case(head_dim=128, page_size=16)
     args = case.args()
     monkeypatch.setenv("FPV2_HOPPER_GATHER", "diagonal")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_GATHER=diagonal" in _last_error() and '"shared"' in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_GATHER", "shared")
+    monkeypatch.setenv("FPV2_HOPPER_PINGPONG", "yes")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "FPV2_HOPPER_PINGPONG=yes" in _last_error()
 
 
 def test_pooled_statistics_may_be_bf16_but_both_alike() -> None:

@@ -99,13 +99,28 @@ struct ConsumerMainloop {
 
     // One KV tile of the schedule: kMode 0 = kept block, unmasked; 1 = kept block in the diagonal band;
     // 2 = pooled tile `n` of the mean correction.
+    // Pingpong: warpgroup w issues its QK product only on its turn (barrier kTurnWarpGroup1 + w, completed
+    // by the other warpgroup's arrival) and hands the turn over right after issuing, so one warpgroup's
+    // softmax runs under the other's products. The first turn is warpgroup 0's without a wait and the last
+    // hand-over of warpgroup 1 is skipped, so every barrier sees as many arrivals as waits.
+    const int num_stages = schedule.num_stages();
+    int stage_index = 0;
     auto process_tile = [&](int n, auto mode) {
       constexpr int kMode = decltype(mode)::value;
       pipeline_k.consumer_wait(state);
       if (params.gather) {
         cutlass::arch::fence_view_async_shared();  // gathered by cp.async (generic proxy), read by wgmma
       }
-      warpgroup_gemm</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state.stage), tSrS);
+      if (params.pingpong && !(wg == 0 && stage_index == 0)) {
+        cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads,
+                                          barrier_id(ConsumerBarrier::kTurnWarpGroup1) + wg);
+      }
+      warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state.stage), tSrS);
+      if (params.pingpong && !(wg == 1 && stage_index == num_stages - 1)) {
+        cutlass::arch::NamedBarrier::arrive(Traits::kNumConsumerThreads,
+                                            barrier_id(ConsumerBarrier::kTurnWarpGroup1) + (1 - wg));
+      }
+      warpgroup_gemm_wait(mma_qk, tSrQ, tSrS);
       pipeline_k.consumer_release(state);
       if constexpr (kMode == 1) {
         mask.apply(tSrS_rc, tScS_rc, n);
@@ -138,6 +153,7 @@ struct ConsumerMainloop {
       warpgroup_gemm</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, state.stage), tOrO);
       pipeline_v.consumer_release(state);
       state.advance();
+      ++stage_index;
     };
 
     const int num_kept = schedule.num_kept;

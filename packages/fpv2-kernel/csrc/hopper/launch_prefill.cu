@@ -147,6 +147,21 @@ int32_t gather_layout_from_environment(int32_t* layout) {
               format("environment FPV2_HOPPER_GATHER=%s: expected \"row\" (default) or \"shared\"", value));
 }
 
+// FPV2_HOPPER_PINGPONG=1 turns on the consumers' pingpong schedule (not yet measured; for A/B runs).
+int32_t pingpong_from_environment(int32_t* pingpong) {
+  const char* value = std::getenv("FPV2_HOPPER_PINGPONG");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) {
+    *pingpong = 0;
+    return FPV2_OK;
+  }
+  if (std::strcmp(value, "1") == 0) {
+    *pingpong = 1;
+    return FPV2_OK;
+  }
+  return fail(FPV2_ERROR_INVALID_ARGUMENT,
+              format("environment FPV2_HOPPER_PINGPONG=%s: expected 0 (default) or 1", value));
+}
+
 int32_t check_device(int device) {
   int major = 0, minor = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -223,6 +238,8 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
 
   int32_t gather_layout = 1;
   FPV2_RETURN_IF_ERROR(gather_layout_from_environment(&gather_layout));
+  int32_t pingpong = 0;
+  FPV2_RETURN_IF_ERROR(pingpong_from_environment(&pingpong));
 
   DeviceGuard guard;
   FPV2_RETURN_IF_ERROR(guard.select(args.device));
@@ -260,6 +277,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
       args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 
   plan.gather_layout = gather_layout;
+  plan.pingpong = pingpong;
   if (args.index != nullptr) {
     plan.index_offsets = static_cast<const int32_t*>(args.index->offsets.data);
     plan.index_blocks = static_cast<const int32_t*>(args.index->blocks.data);

@@ -10,6 +10,8 @@ enum class ConsumerBarrier : uint32_t {
   kQueryReadyWarpGroup2 = 1,
   kValueTailCleared = 2,      // both consumer warpgroups cleared their share of the stale V rows
   kPendingLengths = 3,            // the correction's table of pending block lengths is filled / complete
+  kTurnWarpGroup1 = 5,            // + consumer warpgroup index: that warpgroup may issue its QK product
+  kTurnWarpGroup2 = 6,            //   (pingpong schedule, FPV2_HOPPER_PINGPONG=1)
 };
 
 // Named barriers among the producer warpgroup's threads (cp.async gather), after the consumer ones.

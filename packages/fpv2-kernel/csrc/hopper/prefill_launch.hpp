@@ -127,6 +127,7 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       plan.v_token_stride,
       static_cast<Element const*>(plan.pooled_k),
       static_cast<Element const*>(plan.pooled_v),
+      plan.pingpong,
   };
 
   auto kernel = prefill_kernel<Traits>;

@@ -88,6 +88,10 @@ struct PrefillParams {
   int64_t v_token_stride;
   Element const* pooled_k;
   Element const* pooled_v;
+
+  // Pingpong of the two consumer warpgroups' QK products (FPV2_HOPPER_PINGPONG=1; off by default until
+  // measured): a warpgroup issues its QK only on its turn and hands the turn over right after issuing.
+  int32_t pingpong;
 };
 
 }  // namespace fpv2::hopper

@@ -1,5 +1,6 @@
 // One warpgroup matrix product C (+)= A B over all k-blocks of the operands, issued as a single wgmma
-// batch and waited for before returning.
+// batch and waited for before returning (warpgroup_gemm), or issued and waited for in two steps so that
+// the consumers' turn barrier of the pingpong schedule can sit between them.
 //
 // A is either shared-memory descriptors (SS) or bf16 registers (RS); B is always descriptors. The fences
 // keep the compiler from moving register reads/writes of the operands across the asynchronous wgmma.
@@ -13,8 +14,9 @@
 
 namespace fpv2::hopper {
 
+// Issues the batch (operand fences, wgmma.fence, the k-blocks, commit) without waiting for it.
 template <bool kZeroInit, class TiledMma, class FragA, class FragB, class FragC>
-__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, FragA& a, FragB const& b, FragC& c) {
+__device__ __forceinline__ void warpgroup_gemm_issue(TiledMma& mma, FragA& a, FragB const& b, FragC& c) {
   using namespace cute;
   constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
   if constexpr (kRegisterA) {
@@ -29,11 +31,24 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, FragA& a, FragB co
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+// Waits for every issued batch of the warpgroup and fences the operands again.
+template <class TiledMma, class FragA, class FragC>
+__device__ __forceinline__ void warpgroup_gemm_wait(TiledMma const&, FragA& a, FragC& c) {
+  using namespace cute;
+  constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
   warpgroup_wait<0>();
   warpgroup_fence_operand(c);
   if constexpr (kRegisterA) {
     warpgroup_fence_operand(a);
   }
+}
+
+template <bool kZeroInit, class TiledMma, class FragA, class FragB, class FragC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, FragA& a, FragB const& b, FragC& c) {
+  warpgroup_gemm_issue<kZeroInit>(mma, a, b, c);
+  warpgroup_gemm_wait(mma, a, c);
 }
 
 }  // namespace fpv2::hopper
