@@ -33,6 +33,7 @@
 #   HOPPER_PAGES         page sizes timed, space separated ["128 1": the TMA path and the cp.async gather]
 #   HOPPER_ALT_GATHER    also check and time this FPV2_HOPPER_GATHER layout at page size 1 ["shared"; empty: skip]
 #   HOPPER_PINGPONG      1: also check and time the FPV2_HOPPER_PINGPONG=1 schedule at page size 128 [1]
+#   HOPPER_PERSISTENT    1: also check and time FPV2_HOPPER_PERSISTENT=1 (persistent CTAs) at page size 128 [1]
 #   HOPPER_SEED          input seed offset [seconds since the epoch, printed]
 #   HOPPER_SKIP_RACECHECK=1   skip the racecheck run
 #   CUOBJDUMP, COMPUTE_SANITIZER   tool paths [PATH, then /usr/local/cuda/bin]
@@ -54,6 +55,7 @@ KEEP="${HOPPER_KEEP:-0.03}"
 PAGES="${HOPPER_PAGES:-128 1}"
 ALT_GATHER="${HOPPER_ALT_GATHER-shared}"
 PINGPONG="${HOPPER_PINGPONG:-1}"
+PERSISTENT="${HOPPER_PERSISTENT:-1}"
 SEED="${HOPPER_SEED:-$(date +%s)}"
 START=$SECONDS
 FAILED=()
@@ -120,6 +122,7 @@ configure_and_build() {
 
 ptxas_and_sass() {
     echo "--- ptxas report of the kernel (from build.log)"
+    # Two instantiations: <..., false> (one CTA per tile, the default) and <..., true> (persistent, opt-in).
     grep -A3 "Compiling entry function '.*prefill_kernel" "$OUT/build.log" || echo "(no ptxas report found)"
     grep -n "C7508\|setmaxnreg" "$OUT/build.log" && echo "!!! setmaxnreg warning above"
     local cuobjdump
@@ -186,6 +189,14 @@ main() {
             run_step "correctness pingpong" 150 "$OUT/correctness.log" env FPV2_HOPPER_PINGPONG=1 \
                 "$BUILD/fpv2_hopper_prefill_test" --mode correctness --seed "$SEED"
             run_step "timing page=128 pingpong" 120 "$OUT/timing.log" env FPV2_HOPPER_PINGPONG=1 \
+                "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
+                --keep "$KEEP" --page-size 128 --seed "$SEED"
+        fi
+        if [[ "$PERSISTENT" == 1 ]]; then
+            # Persistent CTAs (kernel variant selected by FPV2_HOPPER_PERSISTENT=1): grid, then the timings.
+            run_step "correctness persistent" 150 "$OUT/correctness.log" env FPV2_HOPPER_PERSISTENT=1 \
+                "$BUILD/fpv2_hopper_prefill_test" --mode correctness --seed "$SEED"
+            run_step "timing page=128 persistent" 120 "$OUT/timing.log" env FPV2_HOPPER_PERSISTENT=1 \
                 "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
                 --keep "$KEEP" --page-size 128 --seed "$SEED"
         fi

@@ -42,7 +42,8 @@ struct ConsumerMainloop {
   using TileO = cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<Traits::kHeadDim>>;
 
   template <class Params, class Geometry, class Storage>
-  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int consumer_thread) {
+  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int consumer_thread,
+                             typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
     const int wg = consumer_thread / Traits::kThreadsPerWarpGroup;
@@ -87,12 +88,15 @@ struct ConsumerMainloop {
     const CausalMask<kRows, Traits::kBlockN> mask(tScS_rc, tile, params.group);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
-    auto state = Pipeline::consumer_start();
     const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
     const int pooled_base = params.has_correction ? params.pooled_block_offsets[tile.request] : 0;
     const float log2_to_raw = 0.69314718055994531f * params.inverse_softmax_scale;
     if (schedule.num_correction > 0) {
-      // Uniform over the CTA's consumers (the same schedule everywhere), so the barriers inside match.
+      // Uniform over the CTA's consumers (the same schedule everywhere), so the barriers inside match. A
+      // persistent CTA first waits until both warpgroups are done with the previous tile's table.
+      if (params.persistent) {
+        cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingLengths));
+      }
       CorrectionMask<Traits>::build(smem.pending_lengths, params, schedule, pooled_base, tile.n_block_masked,
                                     consumer_thread);
     }

@@ -55,7 +55,8 @@ struct KvGatherProducer {
   }
 
   template <class Params, class Geometry, class Storage>
-  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int row) {
+  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int row,
+                             typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
     Tensor sK = make_tensor(make_smem_ptr(smem.k), typename Traits::SmemLayoutK{});    // (N, d, stages)
@@ -75,7 +76,6 @@ struct KvGatherProducer {
     const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
-    auto state = Pipeline::producer_start();
     const int num_kept = schedule.num_kept;
     int cache_row = num_kept > 0 ? cache_row_of(schedule.block(0)) : -1;
     CUTE_NO_UNROLL

@@ -54,7 +54,8 @@ struct KvSharedRowsGatherProducer {
   }
 
   template <class Params, class Geometry, class Storage>
-  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int thread) {
+  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int thread,
+                             typename KvPipeline<Traits::kStages>::State& state, int& round) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
     Tensor sK = make_tensor(make_smem_ptr(smem.k), typename Traits::SmemLayoutK{});    // (N, d, stages)
@@ -67,13 +68,13 @@ struct KvSharedRowsGatherProducer {
     const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
-    auto state = Pipeline::producer_start();
     CUTE_NO_UNROLL
     for (int i = 0; i < schedule.num_kept; ++i) {
       // Each thread looks up one token's cache row (one page-table read per thread and tile, all in flight
       // together) and publishes it; the copies then read the rows they need from shared memory. Two
       // buffers: a buffer is rewritten only after every thread has passed the next tile's barrier.
-      int32_t* rows = smem.gather_rows[i & 1];
+      int32_t* rows = smem.gather_rows[round & 1];  // alternates over the kept tiles of every query tile
+      ++round;
       const int token = schedule.block(i) * Traits::kBlockN + thread;
       rows[thread] = token < tile.seqlen_k ? pages[token / page_size] * page_size + token % page_size : -1;
       cutlass::arch::NamedBarrier::sync(Traits::kThreadsPerWarpGroup, barrier_id(ProducerBarrier::kGatherRows));

@@ -25,7 +25,8 @@ namespace fpv2::hopper {
 template <class Traits>
 struct KvProducer {
   template <class Params, class Geometry, class Storage>
-  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem) {
+  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem,
+                             typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
 
@@ -53,7 +54,6 @@ struct KvProducer {
     const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
-    auto state = Pipeline::producer_start();
     const int num_kept = schedule.num_kept;
     int row_block = num_kept > 0 ? row_block_of(schedule.block(0)) : 0;
     CUTE_NO_UNROLL

@@ -147,19 +147,19 @@ int32_t gather_layout_from_environment(int32_t* layout) {
               format("environment FPV2_HOPPER_GATHER=%s: expected \"row\" (default) or \"shared\"", value));
 }
 
-// FPV2_HOPPER_PINGPONG=1 turns on the consumers' pingpong schedule (not yet measured; for A/B runs).
-int32_t pingpong_from_environment(int32_t* pingpong) {
-  const char* value = std::getenv("FPV2_HOPPER_PINGPONG");
+// An on/off kernel variant from the environment (FPV2_HOPPER_PINGPONG, FPV2_HOPPER_PERSISTENT): unset, ""
+// or "0" is off (the default), "1" is on; the variants are not yet measured (for A/B runs on the device).
+int32_t switch_from_environment(const char* name, int32_t* on) {
+  const char* value = std::getenv(name);
   if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) {
-    *pingpong = 0;
+    *on = 0;
     return FPV2_OK;
   }
   if (std::strcmp(value, "1") == 0) {
-    *pingpong = 1;
+    *on = 1;
     return FPV2_OK;
   }
-  return fail(FPV2_ERROR_INVALID_ARGUMENT,
-              format("environment FPV2_HOPPER_PINGPONG=%s: expected 0 (default) or 1", value));
+  return fail(FPV2_ERROR_INVALID_ARGUMENT, format("environment %s=%s: expected 0 (default) or 1", name, value));
 }
 
 int32_t check_device(int device) {
@@ -238,8 +238,9 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
 
   int32_t gather_layout = 1;
   FPV2_RETURN_IF_ERROR(gather_layout_from_environment(&gather_layout));
-  int32_t pingpong = 0;
-  FPV2_RETURN_IF_ERROR(pingpong_from_environment(&pingpong));
+  int32_t pingpong = 0, persistent = 0;
+  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PINGPONG", &pingpong));
+  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PERSISTENT", &persistent));
 
   DeviceGuard guard;
   FPV2_RETURN_IF_ERROR(guard.select(args.device));
@@ -278,6 +279,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
 
   plan.gather_layout = gather_layout;
   plan.pingpong = pingpong;
+  plan.persistent = persistent;
   if (args.index != nullptr) {
     plan.index_offsets = static_cast<const int32_t*>(args.index->offsets.data);
     plan.index_blocks = static_cast<const int32_t*>(args.index->blocks.data);

@@ -9,8 +9,11 @@
 // K/V reach shared memory by TMA when page_size is a multiple of 128 (kv_producer.hpp, one elected thread),
 // else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
 //
-// Not yet here (next steps of issue 5): a persistent scheduler ordered by work (heaviest first), split-KV,
-// pingpong of the two consumer warpgroups, head dims 64 and 256, FP8.
+// Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1, not yet measured): one CTA per SM walks the tiles in
+// the same order, so the producer fills the next tile's stages while the consumers finish the current one.
+//
+// Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
+// split-KV, intra-warpgroup overlap, head dims 64 and 256, FP8.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +41,7 @@
 
 namespace fpv2::hopper {
 
-template <class Traits>
+template <class Traits, bool kPersistent>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
   using Storage = PrefillSharedStorage<Traits>;
@@ -49,15 +52,20 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
   Storage& smem = *reinterpret_cast<Storage*>((base + kSmemTileAlignment - 1) & ~uintptr_t(kSmemTileAlignment - 1));
 
-  // 1-D grid, (KV head, request) fastest and the query tile slowest, tiles in decreasing order: the CTAs
-  // dispatched first are the ones with the longest causal rows of every head and request.
+  // Work tiles in a 1-D order, (KV head, request) fastest and the query tile slowest, tiles in decreasing
+  // order: the tiles taken first are the ones with the longest causal rows of every head and request.
+  // One CTA per tile, or (kPersistent) one CTA per SM walking tiles blockIdx.x, + gridDim.x, ...
   const int heads_x_requests = params.num_kv_heads * params.num_requests;
-  const int slot = int(blockIdx.x) % heads_x_requests;
-  const int m_block = params.num_m_blocks - 1 - int(blockIdx.x) / heads_x_requests;
-  const Geometry tile = Geometry::load(slot / params.num_kv_heads, slot % params.num_kv_heads, m_block, params.group,
-                                       params.cu_seqlens_q, params.seqlens_k);
-  if (!tile.valid()) {
-    return;  // uniform over the CTA, before any barrier
+  auto tile_at = [&](int index) {
+    const int slot = index % heads_x_requests;
+    const int m_block = params.num_m_blocks - 1 - index / heads_x_requests;
+    return Geometry::load(slot / params.num_kv_heads, slot % params.num_kv_heads, m_block, params.group,
+                          params.cu_seqlens_q, params.seqlens_k);
+  };
+  if constexpr (!kPersistent) {
+    if (!tile_at(int(blockIdx.x)).valid()) {
+      return;  // uniform over the CTA, before any barrier
+    }
   }
 
   const int warp = cutlass::canonical_warp_idx_sync();
@@ -73,19 +81,43 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   }
   __syncthreads();
 
-  // Each warpgroup's role is one branch, with its setmaxnreg first, as ptxas needs to honour it.
+  // Each warpgroup's role is one branch, with its setmaxnreg first, as ptxas needs to honour it. The
+  // pipeline positions carry over from tile to tile, so producer and consumers stay in step.
   if (warp < Traits::kThreadsPerWarpGroup / 32) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (params.gather == 1) {
-      KvGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x));
-    } else if (params.gather == 2) {
-      KvSharedRowsGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x));
-    } else if (warp == 0 && cute::elect_one_sync()) {
-      KvProducer<Traits>::run(params, tile, smem);
+    auto state = Pipeline::producer_start();
+    int round = 0;
+    auto produce = [&](Geometry const& tile) {
+      if (params.gather == 1) {
+        KvGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state);
+      } else if (params.gather == 2) {
+        KvSharedRowsGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state, round);
+      } else if (warp == 0 && cute::elect_one_sync()) {
+        KvProducer<Traits>::run(params, tile, smem, state);
+      }
+    };
+    if constexpr (kPersistent) {
+      const int num_tiles = params.num_m_blocks * heads_x_requests;
+      for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) {
+        const Geometry tile = tile_at(index);
+        if (tile.valid()) produce(tile);  // uniform over the CTA
+      }
+    } else {
+      produce(tile_at(int(blockIdx.x)));
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    ConsumerMainloop<Traits>::run(params, tile, smem, int(threadIdx.x) - Traits::kThreadsPerWarpGroup);
+    auto state = Pipeline::consumer_start();
+    const int consumer_thread = int(threadIdx.x) - Traits::kThreadsPerWarpGroup;
+    if constexpr (kPersistent) {
+      const int num_tiles = params.num_m_blocks * heads_x_requests;
+      for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) {
+        const Geometry tile = tile_at(index);
+        if (tile.valid()) ConsumerMainloop<Traits>::run(params, tile, smem, consumer_thread, state);
+      }
+    } else {
+      ConsumerMainloop<Traits>::run(params, tile_at(int(blockIdx.x)), smem, consumer_thread, state);
+    }
   }
 }
 

@@ -128,9 +128,10 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       static_cast<Element const*>(plan.pooled_k),
       static_cast<Element const*>(plan.pooled_v),
       plan.pingpong,
+      plan.persistent,
   };
 
-  auto kernel = prefill_kernel<Traits>;
+  auto kernel = plan.persistent ? prefill_kernel<Traits, true> : prefill_kernel<Traits, false>;
   const int smem_bytes = static_cast<int>(prefill_smem_bytes<Traits>());
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) {
@@ -147,7 +148,19 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
                                                    static_cast<long long>(num_m_blocks), plan.num_kv_heads,
                                                    plan.num_requests));
   }
-  const dim3 grid(static_cast<unsigned>(num_ctas));
+  int64_t grid_ctas = num_ctas;
+  if (plan.persistent) {
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) {
+      return fpv2::detail::fail(FPV2_ERROR_CUDA,
+                                fpv2::detail::format("fpv2 Hopper prefill: cannot query the SM count: %s",
+                                                     cudaGetErrorString(err)));
+    }
+    grid_ctas = num_ctas < sms ? num_ctas : sms;  // one CTA per SM (the kernel's shared memory allows one)
+  }
+  const dim3 grid(static_cast<unsigned>(grid_ctas));
   kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(params);
   err = cudaGetLastError();
   if (err != cudaSuccess) {

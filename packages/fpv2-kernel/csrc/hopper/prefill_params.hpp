@@ -92,6 +92,10 @@ struct PrefillParams {
   // Pingpong of the two consumer warpgroups' QK products (FPV2_HOPPER_PINGPONG=1; off by default until
   // measured): a warpgroup issues its QK only on its turn and hands the turn over right after issuing.
   int32_t pingpong;
+
+  // Persistent CTAs (FPV2_HOPPER_PERSISTENT=1; off by default until measured): gridDim.x CTAs walk the
+  // tiles with stride gridDim.x instead of one CTA per tile.
+  int32_t persistent;
 };
 
 }  // namespace fpv2::hopper
