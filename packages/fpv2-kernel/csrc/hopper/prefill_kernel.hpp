@@ -9,8 +9,9 @@
 // K/V reach shared memory by TMA when page_size is a multiple of 128 (kv_producer.hpp, one elected thread),
 // else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
 //
-// Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1, not yet measured): one CTA per SM walks the tiles in
-// the same order, so the producer fills the next tile's stages while the consumers finish the current one.
+// Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1, not yet measured; TMA path only): one CTA per SM
+// walks the tiles in the same order, so the producer fills the next tile's stages while the consumers
+// finish the current one.
 //
 // Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
 // split-KV, intra-warpgroup overlap, head dims 64 and 256, FP8.
@@ -88,6 +89,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto state = Pipeline::producer_start();
     int round = 0;
     auto produce = [&](Geometry const& tile) {
+      if constexpr (kPersistent) {  // the launcher sends only the TMA path here (fewer producer spills)
+        if (warp == 0 && cute::elect_one_sync()) KvProducer<Traits>::run(params, tile, smem, state);
+        return;
+      }
       if (params.gather == 1) {
         KvGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state);
       } else if (params.gather == 2) {

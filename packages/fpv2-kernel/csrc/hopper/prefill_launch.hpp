@@ -73,6 +73,8 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
   // The pooled statistics are read like the cache: (total_blocks, Hkv * d) rows, contiguous. Without the
   // correction the descriptors are built over the cache and never used.
   const bool has_correction = plan.pooled_k != nullptr;
+  // Persistent CTAs (opt-in) serve the TMA path; pages that need the cp.async gather run one CTA per tile.
+  const bool persistent = plan.persistent != 0 && plan.page_size % Traits::kBlockN == 0;
   const int32_t pooled_rows = has_correction ? plan.pooled_rows : plan.cache_rows;
   const int64_t pooled_stride = has_correction ? int64_t(plan.cache_cols) : plan.k_token_stride;
   Tensor pooled_k_rows = make_tensor(
@@ -128,10 +130,10 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       static_cast<Element const*>(plan.pooled_k),
       static_cast<Element const*>(plan.pooled_v),
       plan.pingpong,
-      plan.persistent,
+      persistent ? 1 : 0,
   };
 
-  auto kernel = plan.persistent ? prefill_kernel<Traits, true> : prefill_kernel<Traits, false>;
+  auto kernel = persistent ? prefill_kernel<Traits, true> : prefill_kernel<Traits, false>;
   const int smem_bytes = static_cast<int>(prefill_smem_bytes<Traits>());
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) {
@@ -149,7 +151,7 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
                                                    plan.num_requests));
   }
   int64_t grid_ctas = num_ctas;
-  if (plan.persistent) {
+  if (persistent) {
     int device = 0, sms = 0;
     err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

@@ -93,8 +93,8 @@ struct PrefillParams {
   // measured): a warpgroup issues its QK only on its turn and hands the turn over right after issuing.
   int32_t pingpong;
 
-  // Persistent CTAs (FPV2_HOPPER_PERSISTENT=1; off by default until measured): gridDim.x CTAs walk the
-  // tiles with stride gridDim.x instead of one CTA per tile.
+  // Persistent CTAs (FPV2_HOPPER_PERSISTENT=1, TMA path only; off by default until measured): gridDim.x
+  // CTAs walk the tiles with stride gridDim.x instead of one CTA per tile.
   int32_t persistent;
 };
 
