@@ -159,6 +159,12 @@ sanitize() {
     }
     "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small --seed "$SEED" ||
         return $?
+    if [[ "$PINGPONG" == 1 || "$PERSISTENT" == 1 || -n "$ALT_GATHER" ]]; then
+        echo "--- memcheck of the opt-in variants together (pingpong=$PINGPONG persistent=$PERSISTENT gather=${ALT_GATHER:-row})"
+        env FPV2_HOPPER_PINGPONG="$PINGPONG" FPV2_HOPPER_PERSISTENT="$PERSISTENT" FPV2_HOPPER_GATHER="${ALT_GATHER:-row}" \
+            "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small \
+            --seed "$SEED" || return $?
+    fi
     if [[ "${HOPPER_SKIP_RACECHECK:-0}" != 1 ]]; then
         echo "--- racecheck (informational: reported, not fatal)"
         "$sanitizer" --tool racecheck --racecheck-report all "$BUILD/fpv2_hopper_prefill_test" --mode small \
@@ -225,6 +231,6 @@ main() {
 }
 
 export -f configure_and_build ptxas_and_sass sanitize find_tool
-export ROOT OUT BUILD JOBS SEED
+export ROOT OUT BUILD JOBS SEED PINGPONG PERSISTENT ALT_GATHER
 main 2>&1 | tee "$OUT/hopper_check.log"
 exit "${PIPESTATUS[0]}"
