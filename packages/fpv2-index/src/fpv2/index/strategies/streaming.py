@@ -151,6 +151,48 @@ def select_with_forced(
     )
 
 
+class ForcedPlusExtraSelection:
+    """Base of the strategies that keep the forced blocks plus their own ``extra_blocks`` of each head.
+
+    Subclasses define ``extra_blocks(inputs, config) -> (T, nb) bool``;
+    :meth:`select` runs :func:`select_with_forced` with it.
+    """
+
+    def extra_blocks(self, inputs: HeadSelectionInputs, config: SelectionConfig) -> torch.Tensor:
+        """The extra blocks of one (request, KV head); see :data:`ExtraBlocks`."""
+        raise NotImplementedError(f"{type(self).__name__} must define extra_blocks(inputs, config)")
+
+    def select(
+        self,
+        q: torch.Tensor,
+        batch: PagedPrefillBatch,
+        statistics: BlockStatistics,
+        *,
+        config: SelectionConfig,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+    ) -> BlockIndex:
+        """Select the forced blocks plus :meth:`extra_blocks` of every tile.
+
+        Args:
+            q: ``(total_q, Hq, d)`` packed queries.
+            batch: the paged prefill batch.
+            statistics: pooled keys (real units), pooled with ``config.block_size``.
+            config: selection parameters.
+            q_descale: ``(B, Hkv) float32`` query descales for FP8 queries.
+            k_descale: ``(B, Hkv) float32`` key descales; checked only (the statistics are dequantised).
+
+        Returns:
+            The block index.
+
+        Raises:
+            TypeError, ValueError: inconsistent inputs, naming the argument.
+        """
+        return select_with_forced(
+            q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale, extra=self.extra_blocks
+        )
+
+
 def _check_extra(chosen: object, base: torch.Tensor, request: int, kv_head: int) -> None:
     """A strategy hook must return a bool mask shaped like the forced mask (a wrong one would broadcast)."""
     if (

@@ -13,13 +13,11 @@ from typing import ClassVar
 
 import torch
 
-from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch
-
 from ..config import SelectionConfig
 from ..reference.scoring import block_energies
 from ..reference.selection import MAX_LOGITS_PER_STEP
 from .registry import register_strategy
-from .streaming import HeadSelectionInputs, select_with_forced
+from .streaming import ForcedPlusExtraSelection, HeadSelectionInputs
 
 
 def candidate_energies(inputs: HeadSelectionInputs, config: SelectionConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +87,7 @@ def top_k_mask(energies: torch.Tensor, rankable: torch.Tensor, k: int) -> torch.
 
 @register_strategy("top_k")
 @dataclass(frozen=True)
-class TopKStrategy:
+class TopKStrategy(ForcedPlusExtraSelection):
     """Per tile, the forced blocks plus the ``k`` unforced candidates with the largest energies.
 
     A fixed per-tile budget: a sparse tile keeps its forced blocks (sink, window,
@@ -133,33 +131,3 @@ class TopKStrategy:
         """
         energies, candidates = candidate_energies(inputs, config)
         return top_k_mask(energies, candidates & ~inputs.forced, self.k)
-
-    def select(
-        self,
-        q: torch.Tensor,
-        batch: PagedPrefillBatch,
-        statistics: BlockStatistics,
-        *,
-        config: SelectionConfig,
-        q_descale: torch.Tensor | None = None,
-        k_descale: torch.Tensor | None = None,
-    ) -> BlockIndex:
-        """Select the forced blocks plus the top-``k`` scored blocks of every tile.
-
-        Args:
-            q: ``(total_q, Hq, d)`` packed queries.
-            batch: the paged prefill batch.
-            statistics: pooled keys (real units), pooled with ``config.block_size``.
-            config: selection parameters.
-            q_descale: ``(B, Hkv) float32`` query descales for FP8 queries.
-            k_descale: ``(B, Hkv) float32`` key descales; checked only (the statistics are dequantised).
-
-        Returns:
-            The block index.
-
-        Raises:
-            TypeError, ValueError: inconsistent inputs, naming the argument.
-        """
-        return select_with_forced(
-            q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale, extra=self.extra_blocks
-        )

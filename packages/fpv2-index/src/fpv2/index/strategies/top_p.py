@@ -15,11 +15,9 @@ from typing import ClassVar
 
 import torch
 
-from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch
-
 from ..config import SelectionConfig
 from .registry import register_strategy
-from .streaming import HeadSelectionInputs, select_with_forced
+from .streaming import ForcedPlusExtraSelection, HeadSelectionInputs
 from .top_k import candidate_energies
 
 
@@ -59,7 +57,7 @@ def top_p_mask(energies: torch.Tensor, candidates: torch.Tensor, forced: torch.T
 
 @register_strategy("top_p")
 @dataclass(frozen=True)
-class TopPStrategy:
+class TopPStrategy(ForcedPlusExtraSelection):
     """Per tile, the forced blocks plus the fewest scored blocks that bring the kept energy share to ``p``.
 
     The budget adapts to the tile: a flat energy profile keeps many blocks, a
@@ -100,33 +98,3 @@ class TopPStrategy:
         """
         energies, candidates = candidate_energies(inputs, config)
         return top_p_mask(energies, candidates, inputs.forced, float(self.p))
-
-    def select(
-        self,
-        q: torch.Tensor,
-        batch: PagedPrefillBatch,
-        statistics: BlockStatistics,
-        *,
-        config: SelectionConfig,
-        q_descale: torch.Tensor | None = None,
-        k_descale: torch.Tensor | None = None,
-    ) -> BlockIndex:
-        """Select the forced blocks plus the top-``p`` mass of every tile.
-
-        Args:
-            q: ``(total_q, Hq, d)`` packed queries.
-            batch: the paged prefill batch.
-            statistics: pooled keys (real units), pooled with ``config.block_size``.
-            config: selection parameters.
-            q_descale: ``(B, Hkv) float32`` query descales for FP8 queries.
-            k_descale: ``(B, Hkv) float32`` key descales; checked only (the statistics are dequantised).
-
-        Returns:
-            The block index.
-
-        Raises:
-            TypeError, ValueError: inconsistent inputs, naming the argument.
-        """
-        return select_with_forced(
-            q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale, extra=self.extra_blocks
-        )

@@ -38,13 +38,13 @@ from typing import ClassVar
 
 import torch
 
-from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch, cdiv
+from fpv2.kernel.contracts import cdiv
 
 from ..config import SelectionConfig
 from ..reference.scoring import block_logits
 from ..reference.selection import MAX_LOGITS_PER_STEP
 from .registry import register_strategy
-from .streaming import HeadSelectionInputs, select_with_forced
+from .streaming import ForcedPlusExtraSelection, HeadSelectionInputs
 from .top_k import top_k_mask
 
 
@@ -140,7 +140,7 @@ def slash_block_mask(slashes: torch.Tensor, first_block: torch.Tensor, last_bloc
 
 @register_strategy("vertical_slash")
 @dataclass(frozen=True)
-class VerticalSlashStrategy:
+class VerticalSlashStrategy(ForcedPlusExtraSelection):
     """MInference's vertical-slash pattern, estimated per (request, KV head) from the last queries.
 
     See the module docstring for the method. Every sparse tile keeps its forced
@@ -221,33 +221,3 @@ class VerticalSlashStrategy:
         tiles = inputs.tiles
         on_slash = slash_block_mask(slashes, tiles.first_diagonal_block, tiles.last_visible_block)
         return (verticals[None, :] | on_slash) & inputs.sparse[:, None]
-
-    def select(
-        self,
-        q: torch.Tensor,
-        batch: PagedPrefillBatch,
-        statistics: BlockStatistics,
-        *,
-        config: SelectionConfig,
-        q_descale: torch.Tensor | None = None,
-        k_descale: torch.Tensor | None = None,
-    ) -> BlockIndex:
-        """Select the forced blocks plus the vertical-slash pattern of every tile.
-
-        Args:
-            q: ``(total_q, Hq, d)`` packed queries.
-            batch: the paged prefill batch.
-            statistics: pooled keys (real units), pooled with ``config.block_size``.
-            config: selection parameters.
-            q_descale: ``(B, Hkv) float32`` query descales for FP8 queries.
-            k_descale: ``(B, Hkv) float32`` key descales; checked only (the statistics are dequantised).
-
-        Returns:
-            The block index.
-
-        Raises:
-            TypeError, ValueError: inconsistent inputs, naming the argument.
-        """
-        return select_with_forced(
-            q, batch, statistics, config=config, q_descale=q_descale, k_descale=k_descale, extra=self.extra_blocks
-        )
