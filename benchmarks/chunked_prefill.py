@@ -49,11 +49,10 @@ from fpv2.serving.metrics import relative_l2_error
 from fpv2.serving.pipeline import PrefillResult, SparsePrefillPipeline
 from fpv2.serving.report import write_json
 from fpv2.serving.soak import SyncCounter
-from fpv2.serving.timing import StageTimings, benchmark_device, median, timed_samples
+from fpv2.serving.timing import StageTimings, benchmark_device, median, protocol_notes, timed_samples
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Fewest timed runs the protocol accepts on a GPU.
-MIN_GPU_REPEATS = 10
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -243,11 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    notes = []
-    if device.type != "cuda":
-        notes.append("CPU dry run: perf_counter times check the plumbing, they are not benchmark numbers")
-    elif args.repeats < MIN_GPU_REPEATS:
-        notes.append(f"only {args.repeats} timed runs: the protocol asks for >= {MIN_GPU_REPEATS}")
+    notes = protocol_notes(device, args.repeats, "perf_counter times check the plumbing, not benchmark numbers")
     notes.append(
         "ms: median wall time of the whole prefill (all chunks, every stage); speedups divide the dense rows' "
         "attention stage (the dense kernel alone) by the sparse rows' whole time"

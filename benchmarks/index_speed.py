@@ -54,11 +54,10 @@ from fpv2.serving.environment import environment_record, git_commit, gpu_name
 from fpv2.serving.metrics import index_flops, relative_l2_error, tflops
 from fpv2.serving.pipeline import SparsePrefillPipeline
 from fpv2.serving.report import write_json
-from fpv2.serving.timing import benchmark_device, median, timed_samples
+from fpv2.serving.timing import benchmark_device, median, protocol_notes, timed_samples
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Fewest timed runs the protocol accepts on a GPU.
-MIN_GPU_REPEATS = 10
 #: Machine constants of the floor (H200): HBM3e peak bandwidth, measured bf16 dense GEMM rate (tool library),
 #: and MUFU exp2 throughput (16 per clock per SM at an assumed 1.98 GHz boost clock).
 HBM_BYTES_PER_S = 4.8e12
@@ -543,11 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    notes = []
-    if device.type != "cuda":
-        notes.append("CPU dry run: perf_counter times check the plumbing, they are not benchmark numbers")
-    elif args.repeats < MIN_GPU_REPEATS:
-        notes.append(f"only {args.repeats} timed runs: the protocol asks for >= {MIN_GPU_REPEATS}")
+    notes = protocol_notes(device, args.repeats, "perf_counter times check the plumbing, not benchmark numbers")
     notes.append(
         "index_ms = pool_blocks_triton(K, V) + select_blocks_triton, CUDA events around both; graph_ms = the same "
         "two calls replayed as one CUDA graph (GPU time only); host_ms = host time to issue them"

@@ -53,11 +53,10 @@ from fpv2.serving.routing import (
     RoutingPoint,
     RoutingTable,
 )
-from fpv2.serving.timing import benchmark_device, median, timed_samples
+from fpv2.serving.timing import benchmark_device, median, protocol_notes, timed_samples
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if name != "fp8"}
 #: Fewest timed runs the protocol accepts on a GPU.
-MIN_GPU_REPEATS = 10
 #: The KV lengths of the issue (2K .. 32K).
 DEFAULT_SEQLENS = (2048, 4096, 8192, 16384, 32768)
 
@@ -325,11 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    notes = []
-    if device.type != "cuda":
-        notes.append("CPU dry run: perf_counter times check the plumbing; they are not routing data")
-    elif args.repeats < MIN_GPU_REPEATS:
-        notes.append(f"only {args.repeats} timed runs: the protocol asks for >= {MIN_GPU_REPEATS}")
+    notes = protocol_notes(device, args.repeats, "perf_counter times check the plumbing; they are not routing data")
     notes.append(
         "sparse_ms: whole pipeline call (pooling, index, correction plan, attention) with min_sparse_kv_len=0; "
         "dense_ms: the dense path of RoutedPrefillPipeline; both medians, the host view read beforehand"

@@ -197,3 +197,25 @@ def benchmark_device(name: str) -> torch.device:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
+
+
+#: Timed runs the benchmark protocol asks for on a GPU (BENCHMARKS.md).
+MIN_GPU_REPEATS = 10
+
+
+def protocol_notes(device: torch.device, repeats: int, dry_run: str) -> list[str]:
+    """The notes every benchmark result carries about how far its run follows the protocol.
+
+    Args:
+        device: where the benchmark ran.
+        repeats: its timed runs.
+        dry_run: what a CPU run's numbers are (they are never benchmark numbers).
+
+    Returns:
+        ``["CPU dry run: ..."]`` on the CPU, a note on too few runs on a GPU, else ``[]``.
+    """
+    if device.type != "cuda":
+        return [f"CPU dry run: {dry_run}"]
+    if repeats < MIN_GPU_REPEATS:
+        return [f"only {repeats} timed runs: the protocol asks for >= {MIN_GPU_REPEATS}"]
+    return []
