@@ -104,7 +104,9 @@ setup_python() {
         export FPV2_KERNEL_LIBRARY="$ROOT/.carry/lib/libfpv2_kernel.so"
     fi
     if [[ -z "${FPV2_COMMIT:-}" ]]; then
-        if git -C "$ROOT" rev-parse HEAD >/dev/null 2>&1; then
+        # Only when ROOT is itself a checkout: an exported tree inside another checkout (e.g. carried
+        # under .carry/) must not report the enclosing repository's commit.
+        if [[ "$(git -C "$ROOT" rev-parse --show-toplevel 2>/dev/null)" == "$ROOT" ]]; then
             FPV2_COMMIT="$(git -C "$ROOT" rev-parse HEAD)"
             git -C "$ROOT" diff --quiet HEAD -- 2>/dev/null || FPV2_COMMIT="$FPV2_COMMIT-dirty"
         elif [[ -f "$ROOT/.carry/COMMIT" ]]; then
