@@ -175,7 +175,11 @@ sanitize() {
 
 main() {
     echo "fpv2 Hopper prefill check, $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET}s, seed $SEED"
-    git -C "$ROOT" rev-parse HEAD 2>/dev/null || cat "$ROOT/.carry/COMMIT" 2>/dev/null || true
+    # The device's copy of the tree may carry a stale .git: name the code by the hash of its native sources
+    # (compare with `scripts/hopper_check.sh`'s same line run on a commit), and the commit only as a hint.
+    echo "native sources sha256: $(cd "$ROOT/packages/fpv2-kernel" && find csrc include tests/native CMakeLists.txt \
+        -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)"
+    echo "git HEAD (may be stale on the device): $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo none)"
     nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
     nvcc --version | tail -1
     : >"$OUT/build.log"
