@@ -310,7 +310,7 @@ class HopperBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: PagedPrefillBatch,
-        index: BlockIndex,
+        index: BlockIndex | None,
         plan: CorrectionPlan | None,
         *,
         softmax_scale: float | None,
@@ -320,7 +320,8 @@ class HopperBackend:
     ) -> torch.Tensor:
         """Run ``fpv2.kernel._native.hopper_prefill`` into a fresh output tensor.
 
-        Arguments as for :meth:`AttentionBackend.run`.
+        Arguments as for :meth:`AttentionBackend.run`; ``index=None`` (with no plan) is
+        dense causal attention.
 
         Returns:
             ``(total_q, Hq, d)`` output.
@@ -361,19 +362,17 @@ class HopperBackend:
         Returns:
             ``(total_q, Hq, d)`` output.
         """
-        from fpv2.kernel._native import hopper_prefill
-
-        out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
-        return hopper_prefill(
+        return self.run(
             q,
             k_cache,
             v_cache,
-            out,
             batch,
+            None,
+            None,
+            softmax_scale=softmax_scale,
             q_descale=q_descale,
             k_descale=k_descale,
             v_descale=v_descale,
-            softmax_scale=0.0 if softmax_scale is None else float(softmax_scale),
         )
 
 
