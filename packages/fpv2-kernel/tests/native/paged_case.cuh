@@ -179,10 +179,14 @@ class PagedCase {
   PagedCase(const PagedCase&) = delete;
   PagedCase& operator=(const PagedCase&) = delete;
 
+  // The fills run on the legacy default stream and the kernel under test on a non-blocking stream, which
+  // does not wait for it: without the synchronisation a late poison fill overwrote the kernel's lse
+  // (seen on the H200 as poisoned lse rows of large cases, outputs correct).
   void poison_outputs() {
     poison_bf16<<<fill_blocks(out_.count()), 256>>>(out_.get(), out_.count());
     poison_f32<<<fill_blocks(lse_.count()), 256>>>(lse_.get(), lse_.count());
     FPV2_TEST_CUDA(cudaGetLastError());
+    FPV2_TEST_CUDA(cudaDeviceSynchronize());
   }
 
   // The ABI arguments of one dense call. `batch_` lives in this object, so keep it alive while using them.
