@@ -31,7 +31,8 @@
 #   HOPPER_REPEATS       timed runs per length [10]
 #   HOPPER_KEEP          probability of keeping a block below the diagonal band in the sparse timing [0.03]
 #   HOPPER_PAGES         page sizes timed, space separated ["128 1": the TMA path and the cp.async gather]
-#   HOPPER_ALT_GATHER    also check and time this FPV2_HOPPER_GATHER layout at page size 1 ["shared"; empty: skip]
+#   HOPPER_ALT_GATHER    also check and time these FPV2_HOPPER_GATHER layouts at page size 1, space separated
+#                        ["warp shared"; empty: skip]
 #   HOPPER_PINGPONG      1: also check and time the FPV2_HOPPER_PINGPONG=1 schedule at page size 128 [1]
 #   HOPPER_PERSISTENT    1: also check and time FPV2_HOPPER_PERSISTENT=1 (persistent CTAs) at page size 128 [1]
 #   HOPPER_SEED          input seed offset [seconds since the epoch, printed]
@@ -53,7 +54,7 @@ LENGTHS="${HOPPER_LENGTHS:-32768,131072}"
 REPEATS="${HOPPER_REPEATS:-10}"
 KEEP="${HOPPER_KEEP:-0.03}"
 PAGES="${HOPPER_PAGES:-128 1}"
-ALT_GATHER="${HOPPER_ALT_GATHER-shared}"
+ALT_GATHER="${HOPPER_ALT_GATHER-warp shared}"
 PINGPONG="${HOPPER_PINGPONG:-1}"
 PERSISTENT="${HOPPER_PERSISTENT:-1}"
 SEED="${HOPPER_SEED:-$(date +%s)}"
@@ -159,12 +160,14 @@ sanitize() {
     }
     "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small --seed "$SEED" ||
         return $?
-    if [[ "$PINGPONG" == 1 || "$PERSISTENT" == 1 || -n "$ALT_GATHER" ]]; then
-        echo "--- memcheck of the opt-in variants together (pingpong=$PINGPONG persistent=$PERSISTENT gather=${ALT_GATHER:-row})"
-        env FPV2_HOPPER_PINGPONG="$PINGPONG" FPV2_HOPPER_PERSISTENT="$PERSISTENT" FPV2_HOPPER_GATHER="${ALT_GATHER:-row}" \
+    local layout
+    for layout in ${ALT_GATHER:-row}; do
+        [[ "$PINGPONG" == 1 || "$PERSISTENT" == 1 || -n "$ALT_GATHER" ]] || break
+        echo "--- memcheck of the opt-in variants together (pingpong=$PINGPONG persistent=$PERSISTENT gather=$layout)"
+        env FPV2_HOPPER_PINGPONG="$PINGPONG" FPV2_HOPPER_PERSISTENT="$PERSISTENT" FPV2_HOPPER_GATHER="$layout" \
             "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small \
             --seed "$SEED" || return $?
-    fi
+    done
     if [[ "${HOPPER_SKIP_RACECHECK:-0}" != 1 ]]; then
         echo "--- racecheck (informational: reported, not fatal)"
         "$sanitizer" --tool racecheck --racecheck-report all "$BUILD/fpv2_hopper_prefill_test" --mode small \
@@ -210,14 +213,15 @@ main() {
                 "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
                 --keep "$KEEP" --page-size 128 --seed "$SEED"
         fi
-        if [[ -n "$ALT_GATHER" ]]; then
-            # The alternative gather layout (kernel variant selected by FPV2_HOPPER_GATHER): grid, then page 1.
-            run_step "correctness gather=$ALT_GATHER" 150 "$OUT/correctness.log" env FPV2_HOPPER_GATHER="$ALT_GATHER" \
+        local layout
+        for layout in $ALT_GATHER; do
+            # An alternative gather layout (kernel variant selected by FPV2_HOPPER_GATHER): grid, then page 1.
+            run_step "correctness gather=$layout" 150 "$OUT/correctness.log" env FPV2_HOPPER_GATHER="$layout" \
                 "$BUILD/fpv2_hopper_prefill_test" --mode correctness --seed "$SEED"
-            run_step "timing page=1 gather=$ALT_GATHER" 120 "$OUT/timing.log" env FPV2_HOPPER_GATHER="$ALT_GATHER" \
+            run_step "timing page=1 gather=$layout" 120 "$OUT/timing.log" env FPV2_HOPPER_GATHER="$layout" \
                 "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
                 --keep "$KEEP" --page-size 1 --seed "$SEED"
-        fi
+        done
         grep "^RESULT " "$OUT/timing.log" | sed 's/^RESULT //' >"$OUT/results.jsonl"
         run_step sanitizer 150 "$OUT/sanitizer.log" sanitize
     fi

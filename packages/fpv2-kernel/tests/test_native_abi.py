@@ -589,7 +589,8 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     monkeypatch.setenv("FPV2_HOPPER_GATHER", "diagonal")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_GATHER=diagonal" in _last_error() and '"shared"' in _last_error()
-    monkeypatch.setenv("FPV2_HOPPER_GATHER", "shared")
+    assert '"warp"' in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_GATHER", "warp")
     monkeypatch.setenv("FPV2_HOPPER_PINGPONG", "yes")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_PINGPONG=yes" in _last_error()

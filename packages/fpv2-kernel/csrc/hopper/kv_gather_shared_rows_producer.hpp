@@ -4,9 +4,9 @@
 // a double-buffered shared array; after one named barrier of the producer warpgroup, sixteen consecutive
 // threads copy the sixteen 16-byte chunks of one row, so a warp reads two whole rows per instruction.
 //
-// Status: compiled (0 spills in 24 registers), NOT yet run on a GPU. It combines the two measured layouts:
-// one page read per thread (kv_gather_producer.hpp, 642 ms dense at 128K, page size 1) and coalesced
-// copies (16 threads per row looking up their own rows: 1330 ms, bound by the serial page reads).
+// Measured on the H200 (NOTES.md, 2026-12-01), page size 1: 540 ms dense at 128K (row per thread: 633),
+// but 33.1 ms at 32K (row: 25.9) and no faster sparse: each tile's page reads wait at the barrier, with
+// nothing prefetched. Kept for A/B runs.
 // Pooled tiles have no page table and are copied coalesced directly.
 #pragma once
 

@@ -131,8 +131,8 @@ int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_p
 }
 
 // FPV2_HOPPER_GATHER selects the cp.async gather layout for pages that are not a multiple of 128: "row"
-// (default: one token row per producer thread, measured) or "shared" (shared rows + coalesced copies, not
-// yet measured; for A/B runs on the device).
+// (default: one token row per producer thread), "shared" (shared rows + coalesced copies) or "warp" (whole
+// rows per warp instruction, page ids shuffled within the warp); A/B-measured on the device (NOTES.md).
 int32_t gather_layout_from_environment(int32_t* layout) {
   const char* value = std::getenv("FPV2_HOPPER_GATHER");
   if (value == nullptr || *value == '\0' || std::strcmp(value, "row") == 0) {
@@ -143,12 +143,16 @@ int32_t gather_layout_from_environment(int32_t* layout) {
     *layout = 2;
     return FPV2_OK;
   }
+  if (std::strcmp(value, "warp") == 0) {
+    *layout = 3;
+    return FPV2_OK;
+  }
   return fail(FPV2_ERROR_INVALID_ARGUMENT,
-              format("environment FPV2_HOPPER_GATHER=%s: expected \"row\" (default) or \"shared\"", value));
+              format("environment FPV2_HOPPER_GATHER=%s: expected \"row\" (default), \"shared\" or \"warp\"", value));
 }
 
 // An on/off kernel variant from the environment (FPV2_HOPPER_PINGPONG, FPV2_HOPPER_PERSISTENT): unset, ""
-// or "0" is off (the default), "1" is on; the variants are not yet measured (for A/B runs on the device).
+// or "0" is off (the default), "1" is on; kept for A/B runs on the device (measured: NOTES.md, 2026-12-01).
 int32_t switch_from_environment(const char* name, int32_t* on) {
   const char* value = std::getenv(name);
   if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) {

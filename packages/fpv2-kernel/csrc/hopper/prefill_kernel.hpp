@@ -9,7 +9,7 @@
 // K/V reach shared memory by TMA when page_size is a multiple of 128 (kv_producer.hpp, one elected thread),
 // else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
 //
-// Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1, not yet measured; TMA path only): one CTA per SM
+// Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1, measured slower in dense mode; TMA path only): one CTA per SM
 // walks the tiles in the same order, so the producer fills the next tile's stages while the consumers
 // finish the current one.
 //
@@ -30,6 +30,7 @@
 #include "hopper/prefill_params.hpp"
 #include "hopper/kv_gather_producer.hpp"
 #include "hopper/kv_gather_shared_rows_producer.hpp"
+#include "hopper/kv_gather_warp_producer.hpp"
 #include "hopper/kv_pipeline.hpp"
 #include "hopper/kv_producer.hpp"
 #include "hopper/shared_storage.hpp"
@@ -97,6 +98,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         KvGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state);
       } else if (params.gather == 2) {
         KvSharedRowsGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state, round);
+      } else if (params.gather == 3) {
+        KvWarpGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state);
       } else if (warp == 0 && cute::elect_one_sync()) {
         KvProducer<Traits>::run(params, tile, smem, state);
       }

@@ -58,10 +58,10 @@ struct PrefillPlan {
   const int32_t* block_lengths;
 
   // Gather layout for pages that are not a multiple of 128 (FPV2_HOPPER_GATHER): 1 = one token row per
-  // producer thread (default, measured), 2 = shared rows + coalesced copies (not yet measured).
+  // producer thread (default), 2 = shared rows + coalesced copies, 3 = warp rows (all measured: NOTES.md).
   int32_t gather_layout;
-  int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (not yet measured)
-  int32_t persistent;  // FPV2_HOPPER_PERSISTENT: 0 (default) or 1 (not yet measured)
+  int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (measured, not faster)
+  int32_t persistent;  // FPV2_HOPPER_PERSISTENT: 0 (default) or 1 (measured, slower in dense mode)
 };
 
 }  // namespace fpv2::hopper
