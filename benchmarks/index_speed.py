@@ -18,7 +18,14 @@ times (median of ``--repeats`` CUDA-event runs after ``--warmup``):
   index time and density, and for the L in ``--error-seqlens`` the relative L2
   error of the whole sparse pipeline's output (:class:`fpv2.serving.pipeline.SparsePrefillPipeline`,
   correction on) against fp32 dense attention, with the pipeline's stage times;
-- ``--sweep``: launch knobs of the scoring and pooling kernels (:mod:`fpv2.index.triton.tuning`).
+- ``--sweep``: launch knobs of the scoring and pooling kernels (:mod:`fpv2.index.triton.tuning`);
+- ``--tiles-per-program 1 2`` (with ``--mma-store 0 1``, ``--pair-stages 2 3``): every row above for each
+  scoring variant, in the same process: one or two query tiles per program, the energies stored from the
+  MMA layout or not, the pipeline depth of the two-tile kernel. The first variant is the identity
+  reference: every other variant's index is compared with it pair by pair (``pairs_differing_from_first``)
+  and exactly (``identical_to_first``: same offsets and blocks), probe by probe; ``score_kernel`` records
+  the compiled scoring kernel's registers, spills, shared memory and resident programs per SM.
+  Rows of a variant other than the default knobs are labelled ``current/<variant>`` (e.g. ``current/tpp2``).
 
 It also writes the floor of the index stage for each L (bytes, GEMM FLOPs,
 exponentials; see ``floor`` in the JSON). Writes ``index-speed.json`` (and
@@ -29,11 +36,13 @@ prints a table. ``--device cpu`` with ``TRITON_INTERPRET=1`` and a small
 Example::
 
     python benchmarks/index_speed.py --out benchmarks/results/index-speed --sweep
+    python benchmarks/index_speed.py --out <dir> --probes --error-seqlens --tiles-per-program 1 2 --mma-store 0 1
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import sys
 import time
@@ -46,7 +55,7 @@ import torch
 
 from fpv2.index import SelectionConfig
 from fpv2.index import triton as index_triton
-from fpv2.index.triton import tuning
+from fpv2.index.triton import scoring, tuning
 from fpv2.kernel.contracts import BlockIndex, PagedPrefillBatch, num_query_tiles, tile_span
 from fpv2.kernel.reference.attention import dense_attention
 from fpv2.kernel.testing import planted_workload
@@ -105,6 +114,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run the sweep before the main rows and keep the fastest knobs for every later row (put a sweep L first)",
     )
+    p.add_argument(
+        "--tiles-per-program",
+        type=int,
+        nargs="+",
+        choices=(1, 2),
+        default=None,
+        help="scoring variants: query tiles per program (default: the knob's value)",
+    )
+    p.add_argument(
+        "--mma-store",
+        type=int,
+        nargs="+",
+        choices=(0, 1),
+        default=None,
+        help="scoring variants: store energies from the MMA layout, 0/1 (default: the knob's value)",
+    )
+    p.add_argument(
+        "--pair-stages",
+        type=int,
+        nargs="+",
+        default=None,
+        help="scoring variants: pipeline depth with two tiles per program (default: the knob's value)",
+    )
     p.add_argument("--no-host-profile", action="store_true", help="skip the cProfile of the host side")
     p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
     p.add_argument("--fraction", type=float, default=0.02, help="planted fraction of key blocks")
@@ -122,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup must be >= 0, --seqlens >= 1 and --probes >= 2")
     if args.q_heads % args.kv_heads:
         p.error(f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.pair_stages is not None and min(args.pair_stages) < 1:
+        p.error("--pair-stages must be >= 1")
     return args
 
 
@@ -378,6 +412,90 @@ def launch_overheads(device: torch.device, calls: int = 200) -> dict[str, float]
     }
 
 
+def score_variants(args: argparse.Namespace, base: tuning.ScoreTuning) -> list[tuple[str, tuning.ScoreTuning]]:
+    """The scoring variants to time, ``(label, knobs)``, first the identity reference; ``""`` labels ``base``.
+
+    The product of ``--tiles-per-program``, ``--mma-store`` and (for two tiles) ``--pair-stages``, each
+    defaulting to the value in ``base``; duplicates dropped, order kept.
+    """
+    tiles = args.tiles_per_program or [base.tiles_per_program]
+    stores = [bool(m) for m in args.mma_store] if args.mma_store else [base.mma_store]
+    stages = args.pair_stages or [base.pair_num_stages]
+    variants: list[tuple[str, tuning.ScoreTuning]] = []
+    for t in tiles:
+        for m in stores:
+            for st in stages if t == 2 else [base.pair_num_stages]:
+                knobs = replace(base, tiles_per_program=t, mma_store=m, pair_num_stages=st)
+                if any(k == knobs for _, k in variants):
+                    continue
+                parts = [f"tpp{t}"] if t != base.tiles_per_program else []
+                if m != base.mma_store:
+                    parts.append("mma" if m else "convert")
+                if t == 2 and st != base.pair_num_stages:
+                    parts.append(f"s{st}")
+                variants.append(("-".join(parts), knobs))
+    return variants
+
+
+def identical(a: BlockIndex, b: BlockIndex) -> bool:
+    """Whether two indexes have the same offsets and the same first ``nnz`` block ids (the strict check)."""
+    if a.offsets.shape != b.offsets.shape or not torch.equal(a.offsets, b.offsets):
+        return False
+    nnz = int(a.offsets[-1])
+    return bool(torch.equal(a.blocks[:nnz], b.blocks[:nnz]))
+
+
+def _occupancy(function: int, threads: int, shared: int) -> int | None:
+    """Resident blocks per SM of a loaded kernel (``cuOccupancyMaxActiveBlocksPerMultiprocessor``), None if unknown."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        blocks = ctypes.c_int(0)
+        status = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(blocks), ctypes.c_void_p(function), ctypes.c_int(threads), ctypes.c_size_t(shared)
+        )
+        return blocks.value if status == 0 else None
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def score_kernel_report(
+    knobs: tuning.ScoreTuning, head_dim: int, max_blocks: int, device: torch.device
+) -> dict[str, object]:
+    """Registers, spills, shared memory and resident programs per SM of the full-row scoring kernel of ``knobs``.
+
+    Read from Triton's in-process cache of compiled kernels (the one whose constants match the variant, the
+    full 128-row tile and this L's pass-2 width); a diagnostic: an empty dict when none is found.
+    """
+    if device.type != "cuda":
+        return {}
+    try:
+        fn = scoring._score_select_kernel
+        cache = fn.device_caches[torch.cuda.current_device()][0]
+        want = {
+            "TILES": knobs.tiles_per_program,
+            "MMA_STORE": knobs.mma_store,
+            "ROWS": 128,
+            "PROBE": 1,
+            "PASS2": scoring.pass2_blocks(max_blocks),
+        }
+        stages = knobs.stages_for(head_dim)
+        for kernel in reversed(list(cache.values())):
+            consts = {fn.arg_names[k[0]]: v for k, v in kernel.src.constants.items() if len(k) == 1}
+            if all(consts.get(k) == v for k, v in want.items()) and kernel.metadata.num_stages == stages:
+                threads = 32 * kernel.metadata.num_warps
+                return {
+                    "n_regs": kernel.n_regs,
+                    "n_spills": kernel.n_spills,
+                    "shared_bytes": kernel.metadata.shared,
+                    "num_stages": stages,
+                    "programs_per_sm_resident": _occupancy(kernel.function, threads, kernel.metadata.shared),
+                    "programs_per_sm_launched": knobs.programs_for(128, head_dim),
+                }
+    except Exception as exc:  # a diagnostic: report, do not fail the run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {}
+
+
 def pool_call(w: object) -> Callable[[], object]:
     """The pipeline's pooling call (K and V) on a workload."""
     return lambda: index_triton.pool_blocks_triton(w.k_cache, w.v_cache, w.batch)
@@ -547,6 +665,11 @@ def main(argv: list[str] | None = None) -> int:
         "index_ms = pool_blocks_triton(K, V) + select_blocks_triton, CUDA events around both; graph_ms = the same "
         "two calls replayed as one CUDA graph (GPU time only); host_ms = host time to issue them"
     )
+    if len(score_variants(args, tuning.SCORE)) > 1:
+        notes.append(
+            "scoring variants (--tiles-per-program / --mma-store / --pair-stages) run one after the other in this "
+            "process on the same workload; identical_to_first: same offsets and blocks as the first variant's index"
+        )
     baseline = None
     if args.baseline_dir is not None:
         baseline = load_baseline(args.baseline_dir)
@@ -596,33 +719,53 @@ def main(argv: list[str] | None = None) -> int:
                 tuning.set_tuning(**tuned)
                 tuning_used[str(seqlen)] = {k: vars(v) for k, v in tuned.items()}
                 log(f"auto-tune: {tuning_used[str(seqlen)]}")
-        knobs_now = {"score": vars(tuning.SCORE).copy(), "pool": vars(tuning.POOL).copy()}
-        current_index = None
-        for probe in [1, *args.probes]:
-            config = SelectionConfig(alpha=args.alpha, probe_stride=probe)
-            log(f"timing current, probe {probe}")
+        current_index = None  # full-row index of the first variant: what the baseline is compared with
+        first_indexes: dict[int, BlockIndex] = {}  # the first variant's index per probe: the identity reference
+        knobs_before = tuning.SCORE
+        for v, (label, knobs) in enumerate(score_variants(args, knobs_before)):
+            impl = "current" if not label else f"current/{label}"
+            tuning.set_tuning(score=knobs)
+            knobs_now = {"score": vars(tuning.SCORE).copy(), "pool": vars(tuning.POOL).copy()}
+            full_row_index = None
             try:
-                row, result = measure_index(index_triton, "current", w, config, args, device, extras=probe == 1)
-            except Exception as exc:
-                log(f"current probe {probe} failed: {type(exc).__name__}: {exc}")
-                rows.append({**base, "impl": "current", "probe": probe, "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            row["knobs"] = knobs_now
-            if probe == 1:
-                current_index = result
-                if not args.no_host_profile:
-                    row["host_profile"] = host_profile(w, config, device)
-            elif current_index is not None:
-                row["pairs_differing_from_full_row"] = pair_difference(result, current_index, nb)
-            if ref is not None:
-                log(f"pipeline error, probe {probe}")
-                try:
-                    row.update(measure_pipeline(w, config, ref, args, device))
-                except Exception as exc:
-                    log(f"pipeline failed: {type(exc).__name__}: {exc}")
-                    row["pipeline_error"] = f"{type(exc).__name__}: {exc}"
-            rows.append({**base, **row})
-            del result
+                for probe in [1, *args.probes]:
+                    config = SelectionConfig(alpha=args.alpha, probe_stride=probe)
+                    log(f"timing {impl}, probe {probe}")
+                    try:
+                        row, result = measure_index(index_triton, impl, w, config, args, device, extras=probe == 1)
+                    except Exception as exc:
+                        log(f"{impl} probe {probe} failed: {type(exc).__name__}: {exc}")
+                        rows.append({**base, "impl": impl, "probe": probe, "error": f"{type(exc).__name__}: {exc}"})
+                        continue
+                    row["knobs"] = knobs_now
+                    row["variant"] = label or "default"
+                    if probe == 1:
+                        full_row_index = result
+                        if v == 0:
+                            current_index = result
+                        row["score_kernel"] = score_kernel_report(knobs, args.head_dim, nb, device)
+                        if not args.no_host_profile:
+                            row["host_profile"] = host_profile(w, config, device)
+                    elif full_row_index is not None:
+                        row["pairs_differing_from_full_row"] = pair_difference(result, full_row_index, nb)
+                    if v == 0:
+                        first_indexes[probe] = result
+                    elif probe in first_indexes:
+                        row["pairs_differing_from_first"] = pair_difference(result, first_indexes[probe], nb)
+                        row["identical_to_first"] = identical(result, first_indexes[probe])
+                    if ref is not None:
+                        log(f"pipeline error, {impl}, probe {probe}")
+                        try:
+                            row.update(measure_pipeline(w, config, ref, args, device))
+                        except Exception as exc:
+                            log(f"pipeline failed: {type(exc).__name__}: {exc}")
+                            row["pipeline_error"] = f"{type(exc).__name__}: {exc}"
+                    rows.append({**base, **row})
+                    del result
+            finally:
+                tuning.set_tuning(score=knobs_before)
+            full_row_index = None
+        first_indexes.clear()
         if baseline is not None:
             log(f"timing {args.baseline_label}")
             try:
@@ -637,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         flops = index_flops([seqlen], [seqlen], args.q_heads, args.head_dim, full.block_size)
         for r in rows:
             if r["L"] == seqlen and "index_ms" in r:
-                impl = "fpv2-index" if r["impl"] == "current" else f"fpv2-index/{r['impl']}"
+                impl = "fpv2-index" if r["impl"] == "current" else f"fpv2-index/{r['impl'].removeprefix('current/')}"
                 if r["probe"] != 1:
                     impl += f"/probe{r['probe']}"
                 summary.append(
@@ -682,6 +825,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nL={r['L']} {r['impl']}: host time per index call by function (cProfile, us; self / cumulative)")
             for p in r["host_profile"][:10]:
                 print(f"  {p['self_us']:8.1f} {p['cumulative_us']:8.1f}  x{p['calls_per_index']:.0f}  {p['function']}")
+    for r in rows:
+        if "identical_to_first" in r:
+            print(
+                f"L={r['L']} {r['impl']} probe {r['probe']}: index identical to the first variant's: "
+                f"{r['identical_to_first']} ({r['pairs_differing_from_first']} pairs differ)"
+            )
+    for r in rows:
+        if r.get("score_kernel"):
+            print(f"L={r['L']} {r['impl']}: scoring kernel {r['score_kernel']}")
     for r in sweep_rows:
         print(f"sweep L={r['L']} {r['kernel']} {r['knobs']}: {r.get('select_ms', r.get('pool_ms', r.get('error')))}")
     for seqlen, by_probe in floors.items():

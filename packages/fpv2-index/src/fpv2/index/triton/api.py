@@ -35,9 +35,19 @@ from fpv2.kernel.contracts import (
 )
 
 from ..config import SelectionConfig
+from . import tuning
 from .compaction import launch_compact
 from .pooling import launch_pool
-from .scoring import DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, launch_prepare_keys, launch_score_select, score_rows
+from .scoring import (
+    DOT_BF16,
+    DOT_FP16,
+    DOT_FP32,
+    LOG2E,
+    launch_prepare_keys,
+    launch_score_select,
+    num_units,
+    score_rows,
+)
 from .workspace import IndexWorkspace
 
 
@@ -325,8 +335,8 @@ def select_blocks_triton(
     tile_size, block_size = config.tile_size, config.block_size
     host = batch.host
 
-    total_tiles = sum(num_query_tiles(n, group, tile_size) for n in host.q_lens)
-    num_segments = heads * total_tiles
+    tiles = [num_query_tiles(n, group, tile_size) for n in host.q_lens]
+    num_segments = heads * sum(tiles)
     max_blocks = max((num_key_blocks(k, block_size) for k in host.seqlens_k), default=0)
     tile_offsets = torch.empty(batch.num_requests + 1, dtype=torch.int32, device=device)
     offsets = torch.empty(num_segments + 1, dtype=torch.int32, device=device)
@@ -338,11 +348,17 @@ def select_blocks_triton(
         )
     dot_kind = _dot_kind(q.dtype)
     keys = launch_prepare_keys(statistics.pooled_k, config.scale_for(q.shape[2]) * LOG2E, dot_kind)
+    knobs = tuning.SCORE  # read once: the work split, the grid, the workspace and the launch must agree
+    total_units = num_units(tiles, knobs.tiles_per_program)
     num_programs = workspace.num_programs(
-        num_segments, device, score_rows(tile_size, config.probe_stride), statistics.head_dim
+        heads * total_units, device, score_rows(tile_size, config.probe_stride), statistics.head_dim
     )
     views = workspace.reserve(
-        num_programs=num_programs, max_blocks=max_blocks, num_segments=num_segments, device=device
+        num_programs=num_programs,
+        max_blocks=max_blocks,
+        num_segments=num_segments,
+        device=device,
+        tiles_per_program=knobs.tiles_per_program,
     )
     launch_score_select(
         q,
@@ -354,7 +370,7 @@ def select_blocks_triton(
         tile_offsets=tile_offsets,
         offsets=offsets,
         views=views,
-        total_tiles=total_tiles,
+        total_units=total_units,
         num_programs=num_programs,
         group=group,
         alpha=config.alpha,
@@ -367,6 +383,7 @@ def select_blocks_triton(
         min_sparse_kv_len=config.min_sparse_kv_len,
         dot_kind=dot_kind,
         interpret=interpreter_enabled(),
+        knobs=knobs,
     )
     torch.cumsum(views.counts, dim=0, dtype=torch.int32, out=offsets[1:])
     if exact_nnz:

@@ -26,6 +26,18 @@ program:
 Program 0 also writes the index's ``tile_offsets`` and ``offsets[0] = 0``, so
 the host launches no metadata kernels.
 
+With ``tiles_per_program = 2`` (:mod:`.tuning`) a unit of work is two adjacent
+tiles ``2u, 2u + 1`` of one request and KV head (the second absent for the last
+unit of a request with an odd number of tiles). Pass 1 walks the union of their
+candidates once: each pooled-key chunk is loaded (one ``cp.async`` wait and its
+barriers) for two GEMMs and two independent exp2/reduction chains, each tile
+masking and storing its own energies to its own workspace row; pass 2 runs per
+tile. Each tile's energies are computed exactly as with one tile per program
+(same operands, same reductions), so the index is the same. A step is unmasked
+when it is for every tile that has candidates: adjacent tiles are ``T / g``
+positions apart, so the second tile usually runs at most one step masked that
+it would have run unmasked alone.
+
 Relation to the reference's online pass (one running tile maximum ``M`` and
 ``E_J = sum_r 2^(s_rJ - M)``, earlier chunks rescaled when ``M`` grows): the
 selection rule only uses ratios ``E_J / max E``, in which any common factor
@@ -144,6 +156,116 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _store_energies(ptrs, energy, mask, MASKED: tl.constexpr, MMA_STORE: tl.constexpr):
+    """Store one step's log2 energies.
+
+    ``MMA_STORE`` writes them from the layout the per-block reductions leave them in (each value is
+    held by the 4 lanes of a quad; all 4 write the same word): ``tl.store`` would first move them to
+    a one-value-per-thread layout through shared memory and a CTA barrier, once per step. Inline
+    PTX is not a memory operation to Triton's coalescing pass, so it keeps the layout as it is.
+    """
+    if MMA_STORE:
+        if MASKED:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,f,r",
+                [ptrs.to(tl.int64), energy, mask.to(tl.int32)],  # the addresses as integers: no ptr/float mix
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:
+            tl.inline_asm_elementwise(
+                "st.global.f32 [$1], $2; mov.u32 $0, 0;",
+                "=r,l,f",
+                [ptrs.to(tl.int64), energy],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+    elif MASKED:
+        tl.store(ptrs, energy, mask=mask)
+    else:
+        tl.store(ptrs, energy)
+
+
+@triton.jit
+def _load_keys(
+    keys_row,
+    c0,
+    num_loaded,
+    stride_pk_block,
+    head_dim,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Pooled keys ``c0 .. c0 + BLOCK_N - 1`` (rows at or past ``num_loaded`` read as 0 when ``MASKED``)."""
+    ids = c0 + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    ptrs = keys_row + ids.to(tl.int64)[:, None] * stride_pk_block + dims[None, :]
+    if MASKED:
+        kbar = tl.load(ptrs, mask=(ids < num_loaded)[:, None] & (dims < head_dim)[None, :], other=0.0)
+    elif EVEN_D:
+        kbar = tl.load(ptrs)
+    else:
+        kbar = tl.load(ptrs, mask=(dims < head_dim)[None, :], other=0.0)
+    return kbar
+
+
+@triton.jit
+def _logits(kbar, q_t, descale, DOT_KIND: tl.constexpr, HAS_Q_DESCALE: tl.constexpr):
+    """``(BLOCK_N, rows)`` log2-unit logits of the loaded keys against a tile's rows."""
+    if DOT_KIND == 0:
+        logits = tl.dot(kbar, q_t, input_precision="ieee")
+    else:
+        logits = tl.dot(kbar, q_t)
+    if HAS_Q_DESCALE:
+        logits = logits * descale
+    return logits
+
+
+@triton.jit
+def _step_energies(
+    logits,
+    energies_row,
+    c0,
+    num_candidates,
+    positions,
+    energy_max,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
+):
+    """One tile's share of a pass-1 step: log2 energies of its logits, stored, and the running maxima.
+
+    ``MASKED=False`` is only used for steps whose blocks every probed row sees
+    (``J * Bk <= first position``, ``J < num_candidates``): no mask per logit.
+    Logits are laid out (block, row), so the per-block maximum and sum over rows
+    are reductions within a warp: the loop body has no cross-warp reduction.
+    """
+    ids = c0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        id_ok = ids < num_candidates
+        contributes = id_ok[:, None] & (ids[:, None] * BLOCK_SIZE <= positions[None, :])
+        logits = tl.where(contributes, logits, float("-inf"))
+        block_max = tl.max(logits, axis=1)
+        offset = tl.where(block_max == float("-inf"), 0.0, block_max)
+        # log2(sum_r 2^s_rJ), offset by the block's own maximum so nothing underflows; -inf when no row contributes.
+        energy = offset + _log2(tl.sum(tl.exp2(logits - offset[:, None]), axis=1), FAST_LOG2)
+        _store_energies(energies_row + ids, energy, id_ok, True, MMA_STORE)
+        return tl.maximum(energy_max, tl.where(id_ok, energy, float("-inf")))
+    else:
+        block_max = tl.max(logits, axis=1)
+        energy = block_max + _log2(tl.sum(tl.exp2(logits - block_max[:, None]), axis=1), FAST_LOG2)
+        _store_energies(energies_row + ids, energy, ids >= 0, False, MMA_STORE)
+        return tl.maximum(energy_max, energy)
+
+
+@triton.jit
 def _score_step(
     q_t,
     keys_row,
@@ -163,44 +285,188 @@ def _score_step(
     HAS_Q_DESCALE: tl.constexpr,
     MASKED: tl.constexpr,
     FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
 ):
-    """One step of pass 1: log2 energies of pooled keys ``c0 .. c0 + BLOCK_N - 1`` and the running maxima.
+    """One step of pass 1 for one tile: load keys ``c0 .. c0 + BLOCK_N - 1``, score them (:func:`_step_energies`)."""
+    kbar = _load_keys(keys_row, c0, num_candidates, stride_pk_block, head_dim, BLOCK_N, BLOCK_D, EVEN_D, MASKED)
+    logits = _logits(kbar, q_t, descale, DOT_KIND, HAS_Q_DESCALE)
+    return _step_energies(
+        logits, energies_row, c0, num_candidates, positions, energy_max, BLOCK_SIZE, BLOCK_N, MASKED, FAST_LOG2,
+        MMA_STORE,
+    )  # fmt: skip
 
-    ``MASKED=False`` is only used for steps whose blocks every probed row sees
-    (``J * Bk <= first position``, ``J < num_candidates``): no mask per logit.
-    Logits are laid out (block, row), so the per-block maximum and sum over rows
-    are reductions within a warp: the loop body has no cross-warp reduction.
+
+@triton.jit
+def _pair_step(
+    q_t_a,
+    q_t_b,
+    keys_row,
+    energies_a,
+    energies_b,
+    c0,
+    candidates_a,
+    candidates_b,
+    candidates_pair,
+    positions_a,
+    positions_b,
+    descale,
+    max_a,
+    max_b,
+    stride_pk_block,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr,
+    MASKED: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
+):
+    """One step of pass 1 for two tiles: one load of keys ``c0 .. c0 + BLOCK_N - 1`` scored against both.
+
+    The load covers the union of the tiles' candidates; each tile masks (and stores) its own.
     """
-    ids = c0 + tl.arange(0, BLOCK_N)
+    kbar = _load_keys(keys_row, c0, candidates_pair, stride_pk_block, head_dim, BLOCK_N, BLOCK_D, EVEN_D, MASKED)
+    logits_a = _logits(kbar, q_t_a, descale, DOT_KIND, HAS_Q_DESCALE)
+    logits_b = _logits(kbar, q_t_b, descale, DOT_KIND, HAS_Q_DESCALE)
+    max_a = _step_energies(
+        logits_a, energies_a, c0, candidates_a, positions_a, max_a, BLOCK_SIZE, BLOCK_N, MASKED, FAST_LOG2, MMA_STORE,
+    )  # fmt: skip
+    max_b = _step_energies(
+        logits_b, energies_b, c0, candidates_b, positions_b, max_b, BLOCK_SIZE, BLOCK_N, MASKED, FAST_LOG2, MMA_STORE,
+    )  # fmt: skip
+    return max_a, max_b
+
+
+@triton.jit
+def _tile_geometry(
+    tile,
+    cur_tiles,
+    prefix,
+    q_len,
+    kv_len,
+    group,
+    window_tokens,
+    dense_tail_tiles,
+    min_sparse_kv_len,
+    TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FULL_ROWS: tl.constexpr,
+):
+    """Rows, visible / scored / forced blocks and the unmasked step limit of ``tile`` of the cached request.
+
+    All quantities are non-negative (integer division is floor division), also for ``tile == cur_tiles``
+    (the absent second tile of a pair), which comes out dense with no candidates.
+    """
+    row_begin = tile * TILE
+    row_end = tl.minimum(row_begin + TILE, q_len * group)
+    first = prefix + row_begin // group
+    last = prefix + (row_end - 1) // group
+    num_visible = last // BLOCK_SIZE + 1
+    num_scored = (last + 1) // BLOCK_SIZE
+    first_diagonal = first // BLOCK_SIZE
+    dense = (tile >= cur_tiles - dense_tail_tiles) | (kv_len < min_sparse_kv_len)
+    num_candidates = tl.where(dense, 0, num_scored)
+    # Blocks every probed row sees (J * Bk <= first), in whole steps: scored without masks.
+    if FULL_ROWS:
+        full = tl.where(row_end - row_begin == TILE, tl.minimum(first // BLOCK_SIZE + 1, num_candidates), 0)
+    else:
+        full = tile * 0
+    num_full = (full // BLOCK_N) * BLOCK_N
+    has_window = (window_tokens > 0) & (first > 0)
+    window_lo = tl.maximum(first - window_tokens, 0) // BLOCK_SIZE
+    window_hi = tl.where(has_window, tl.maximum(first - 1, 0) // BLOCK_SIZE, -1)
+    return row_begin, row_end, num_visible, num_candidates, num_full, first_diagonal, dense, window_lo, window_hi
+
+
+@triton.jit
+def _load_tile_rows(
+    q_ptr,
+    dot_ptr,
+    row_begin,
+    row_end,
+    prefix,
+    q_start,
+    head,
+    group,
+    stride_q_tok,
+    stride_q_head,
+    head_dim,
+    TILE: tl.constexpr,
+    PROBE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The tile's (probed) packed rows, transposed, in the dot dtype (that of ``dot_ptr``), and their positions.
+
+    PackGQA: row ``r`` is position ``r // g`` of query head ``head * g + r % g``; rows past ``row_end``
+    (or past the tile, when probing pads the row count) are zeros at position -1.
+    """
+    rows_i = tl.arange(0, ROWS)
     dims = tl.arange(0, BLOCK_D)
-    ptrs = keys_row + ids.to(tl.int64)[:, None] * stride_pk_block + dims[None, :]
-    id_ok = ids < num_candidates
-    if MASKED:
-        kbar = tl.load(ptrs, mask=id_ok[:, None] & (dims < head_dim)[None, :], other=0.0)
-    elif EVEN_D:
-        kbar = tl.load(ptrs)
-    else:
-        kbar = tl.load(ptrs, mask=(dims < head_dim)[None, :], other=0.0)
-    if DOT_KIND == 0:
-        logits = tl.dot(kbar, q_t, input_precision="ieee")
-    else:
-        logits = tl.dot(kbar, q_t)
-    if HAS_Q_DESCALE:
-        logits = logits * descale
-    if MASKED:
-        contributes = id_ok[:, None] & (ids[:, None] * BLOCK_SIZE <= positions[None, :])
-        logits = tl.where(contributes, logits, float("-inf"))
-        block_max = tl.max(logits, axis=1)
-        offset = tl.where(block_max == float("-inf"), 0.0, block_max)
-        # log2(sum_r 2^s_rJ), offset by the block's own maximum so nothing underflows; -inf when no row contributes.
-        energy = offset + _log2(tl.sum(tl.exp2(logits - offset[:, None]), axis=1), FAST_LOG2)
-        tl.store(energies_row + ids, energy, mask=id_ok)
-        return tl.maximum(energy_max, tl.where(id_ok, energy, float("-inf")))
-    else:
-        block_max = tl.max(logits, axis=1)
-        energy = block_max + _log2(tl.sum(tl.exp2(logits - block_max[:, None]), axis=1), FAST_LOG2)
-        tl.store(energies_row + ids, energy)
-        return tl.maximum(energy_max, energy)
+    in_tile = rows_i * PROBE
+    rows = row_begin + in_tile
+    row_ok = (in_tile < TILE) & (rows < row_end)
+    positions = tl.where(row_ok, prefix + rows // group, -1)
+    tokens = (q_start + rows // group).to(tl.int64)
+    q_heads = head * group + rows % group
+    q_addr = tokens[:, None] * stride_q_tok + q_heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_addr, mask=row_ok[:, None] & (dims < head_dim)[None, :], other=0.0)
+    q = q.to(dot_ptr.dtype.element_ty)  # the dot dtype (keys come cast to it)
+    return tl.trans(q), positions
+
+
+@triton.jit
+def _select_tile(
+    energies_row,
+    bits_row,
+    counts_ptr,
+    segment,
+    energy_max,
+    alpha,
+    num_visible,
+    num_candidates,
+    first_diagonal,
+    dense,
+    sink_blocks,
+    window_lo,
+    window_hi,
+    CHUNK: tl.constexpr,
+    PASS2: tl.constexpr,
+    WORD: tl.constexpr,
+):
+    """Pass 2 for one tile: threshold, forced blocks, dense fallback -> keep bits and count.
+
+    ``E_J >= alpha * max E``  <=>  ``2^(log2 E_J - log2 max E) >= alpha``; never when nothing was
+    scored (the reference's ``peak > 0``).
+    """
+    peak_log2 = tl.max(energy_max, axis=0)  # log2 of max_J E_J; -inf when nothing was scored
+    # A scalar where, not a scalar-bool broadcast, which the interpreter mistypes.
+    threshold = tl.where(peak_log2 == float("-inf"), float("inf"), alpha)
+    peak_offset = tl.where(peak_log2 == float("-inf"), 0.0, peak_log2)
+    wide = tl.arange(0, PASS2)
+    lanes = tl.arange(0, WORD)
+    count = segment * 0
+    # Whole 64-block chunks up to the visible blocks: what the compaction reads.
+    num_words = (num_visible + (CHUNK - 1)) // CHUNK * (CHUNK // WORD)
+    c0 = segment * 0
+    while c0 < num_visible:  # one or a few wide steps: each costs a round trip to the energies row
+        ids = c0 + wide
+        scored = ids < num_candidates
+        energy = tl.load(energies_row + ids, mask=scored, other=float("-inf"))
+        keep = scored & (tl.exp2(energy - peak_offset) >= threshold)
+        forced = (ids < sink_blocks) | ((ids >= window_lo) & (ids <= window_hi)) | (ids >= first_diagonal)
+        keep = (keep | forced | dense) & (ids < num_visible)
+        keep_i = keep.to(tl.int32)
+        words = tl.sum(tl.reshape(keep_i, (PASS2 // WORD, WORD)) << lanes[None, :], axis=1)
+        word_ids = c0 // WORD + tl.arange(0, PASS2 // WORD)
+        tl.store(bits_row + word_ids, words, mask=word_ids < num_words)
+        count += tl.sum(keep_i, axis=0)
+        c0 += PASS2
+    tl.store(counts_ptr + segment, count)
 
 
 @triton.jit
@@ -221,7 +487,7 @@ def _score_select_kernel(
     stride_pk_block,
     stride_pk_head,
     num_requests,
-    total_tiles,
+    total_units,
     num_kv_heads,
     group,
     head_dim,
@@ -248,17 +514,16 @@ def _score_select_kernel(
     HAS_Q_DESCALE: tl.constexpr,
     USE_WHILE: tl.constexpr,
     FAST_LOG2: tl.constexpr,
+    TILES: tl.constexpr,
+    MMA_STORE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     zero = pid * 0
-    num_work = total_tiles * num_kv_heads
-    energies_row = energies_ptr + pid.to(tl.int64) * energies_stride
-    rows_i = tl.arange(0, ROWS)
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    wide = tl.arange(0, PASS2)
-    lanes = tl.arange(0, WORD)
+    # A unit of work is one tile (TILES = 1) or tiles 2u, 2u + 1 of one request (TILES = 2), for one KV head.
+    num_work = total_units * num_kv_heads
+    energies_a = energies_ptr + (pid * TILES).to(tl.int64) * energies_stride
+    energies_b = energies_a + energies_stride  # the second tile's row (TILES = 2 only)
     req = tl.arange(0, BLOCK_B)
     req_ok = req < num_requests
 
@@ -271,10 +536,11 @@ def _score_select_kernel(
     tl.store(tile_offsets_ptr + req, zero + req * 0, mask=(req == 0) & first_program)
     tl.store(offsets_ptr + req, zero + req * 0, mask=(req == 0) & first_program)
 
-    # The request of the segment at hand, cached: the walk only ever moves to lower global tiles.
-    cur_begin = zero + total_tiles  # first global tile of the cached request (none cached yet); a tensor, not a
+    # The request of the unit at hand, cached: the walk only ever moves to lower global units.
+    cur_begin = zero + total_units  # first global unit of the cached request (none cached yet); a tensor, not a
     # constexpr (Triton specialises an int argument equal to 1), so the loop may reassign it
     cur_tiles = zero
+    cur_tile_begin = zero  # first global tile of the cached request
     b = zero
     q_start = zero
     q_len = zero
@@ -284,124 +550,163 @@ def _score_select_kernel(
     # while loops, not range(): the Triton 3.6 interpreter cannot use loaded values as range() bounds.
     work = pid
     while work < num_work:
-        # ---- which segment: the last tiles of the batch (the longest rows) first
-        tile_global = total_tiles - 1 - work // num_kv_heads
+        # ---- which unit: the last ones of the batch (the longest rows) first
+        unit_global = total_units - 1 - work // num_kv_heads
         head = work % num_kv_heads
-        if tile_global < cur_begin:
+        if unit_global < cur_begin:
             lo = tl.load(cu_seqlens_q_ptr + req, mask=req_ok, other=0)
             hi = tl.load(cu_seqlens_q_ptr + req + 1, mask=req_ok, other=0)
             tiles_v = ((hi - lo) * group + (TILE - 1)) // TILE
             ends_v = tl.cumsum(tiles_v, axis=0)
-            b = tl.sum((req_ok & (ends_v <= tile_global)).to(tl.int32), axis=0)
+            if TILES == 1:
+                unit_ends_v = ends_v
+            else:
+                unit_ends_v = tl.cumsum((tiles_v + (TILES - 1)) // TILES, axis=0)
+            b = tl.sum((req_ok & (unit_ends_v <= unit_global)).to(tl.int32), axis=0)
             sel = req == b
             cur_tiles = tl.sum(tl.where(sel, tiles_v, 0), axis=0)
-            cur_begin = tl.sum(tl.where(sel, ends_v, 0), axis=0) - cur_tiles
+            cur_tile_begin = tl.sum(tl.where(sel, ends_v, 0), axis=0) - cur_tiles
+            cur_begin = tl.sum(tl.where(sel, unit_ends_v, 0), axis=0) - (cur_tiles + (TILES - 1)) // TILES
             q_start = tl.sum(tl.where(sel, lo, 0), axis=0)
             q_len = tl.sum(tl.where(sel, hi - lo, 0), axis=0)
             kv_len = tl.load(seqlens_k_ptr + b)
             block_base = tl.load(block_offsets_ptr + b)
-        tile = tile_global - cur_begin
+        tile_a = (unit_global - cur_begin) * TILES
         prefix = kv_len - q_len
-        segment = num_kv_heads * cur_begin + head * cur_tiles + tile
-
-        # ---- tile geometry (all quantities non-negative: integer division is floor division)
-        row_begin = tile * TILE
-        row_end = tl.minimum(row_begin + TILE, q_len * group)
-        first = prefix + row_begin // group
-        last = prefix + (row_end - 1) // group
-        num_visible = last // BLOCK_SIZE + 1
-        num_scored = (last + 1) // BLOCK_SIZE
-        first_diagonal = first // BLOCK_SIZE
-        dense = (tile >= cur_tiles - dense_tail_tiles) | (kv_len < min_sparse_kv_len)
-        num_candidates = tl.where(dense, 0, num_scored)
-        # Blocks every probed row sees (J * Bk <= first), in whole steps: scored without masks.
-        if FULL_ROWS:
-            full = tl.where(row_end - row_begin == TILE, tl.minimum(first // BLOCK_SIZE + 1, num_candidates), 0)
-        else:
-            full = zero
-        num_full = (full // BLOCK_N) * BLOCK_N
-        has_window = (window_tokens > 0) & (first > 0)
-        window_lo = tl.maximum(first - window_tokens, 0) // BLOCK_SIZE
-        window_hi = tl.where(has_window, tl.maximum(first - 1, 0) // BLOCK_SIZE, -1)
-
-        # ---- the tile's (probed) packed rows
-        in_tile = rows_i * PROBE
-        rows = row_begin + in_tile
-        row_ok = (in_tile < TILE) & (rows < row_end)
-        positions = tl.where(row_ok, prefix + rows // group, -1)
-        tokens = (q_start + rows // group).to(tl.int64)
-        q_heads = head * group + rows % group
-        q_addr = tokens[:, None] * stride_q_tok + q_heads[:, None] * stride_q_head + dims[None, :]
-        q = tl.load(q_ptr + q_addr, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        q = q.to(keys_ptr.dtype.element_ty)  # the dot dtype (keys come cast to it)
+        segment_a = num_kv_heads * cur_tile_begin + head * cur_tiles + tile_a
+        row_begin_a, row_end_a, visible_a, candidates_a, full_a, diagonal_a, dense_a, window_lo_a, window_hi_a = (
+            _tile_geometry(
+                tile_a, cur_tiles, prefix, q_len, kv_len, group, window_tokens, dense_tail_tiles, min_sparse_kv_len,
+                TILE, BLOCK_SIZE, BLOCK_N, FULL_ROWS,
+            )
+        )  # fmt: skip
+        q_t_a, positions_a = _load_tile_rows(
+            q_ptr, keys_ptr, row_begin_a, row_end_a, prefix, q_start, head, group, stride_q_tok, stride_q_head,
+            head_dim, TILE, PROBE, ROWS, BLOCK_D,
+        )  # fmt: skip
         descale = 1.0
         if HAS_Q_DESCALE:
             descale = tl.load(q_descale_ptr + b * num_kv_heads + head)
-
-        # ---- pass 1: one walk over the candidate pooled keys; log2 energies to the workspace row
-        q_t = tl.trans(q)
         keys_row = keys_ptr + block_base.to(tl.int64) * stride_pk_block + head * stride_pk_head
-        energy_max = tl.full([BLOCK_N], float("-inf"), tl.float32)  # per lane; reduced once after the walk
-        if USE_WHILE:  # the interpreter cannot take loaded values as range() bounds
-            c0 = zero
-            while c0 < num_full:
-                energy_max = _score_step(
-                    q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
-                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False,
-                    FAST_LOG2,
-                )  # fmt: skip
-                c0 += BLOCK_N
-            while c0 < num_candidates:
-                energy_max = _score_step(
-                    q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
-                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True,
-                    FAST_LOG2,
-                )  # fmt: skip
-                c0 += BLOCK_N
-        else:  # range() loops, so Triton pipelines the pooled-key loads
-            for c0 in range(0, num_full, BLOCK_N):
-                energy_max = _score_step(
-                    q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
-                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False,
-                    FAST_LOG2,
-                )  # fmt: skip
-            for c0 in range(num_full, num_candidates, BLOCK_N):
-                energy_max = _score_step(
-                    q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max,
-                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True,
-                    FAST_LOG2,
-                )  # fmt: skip
-        peak_log2 = tl.max(energy_max, axis=0)  # log2 of max_J E_J; -inf when nothing was scored
-        # Pass 2 reads energies other threads of this program wrote.
-        tl.debug_barrier()
+        max_a = tl.full([BLOCK_N], float("-inf"), tl.float32)  # per lane; reduced once after the walk
 
-        # ---- pass 2: threshold, forced blocks, dense fallback -> keep bits and count
-        # E_J >= alpha * max E  <=>  2^(log2 E_J - log2 max E) >= alpha; never when nothing was scored (the
-        # reference's ``peak > 0``). A scalar where, not a scalar-bool broadcast, which the interpreter mistypes.
-        threshold = tl.where(peak_log2 == float("-inf"), float("inf"), alpha)
-        peak_offset = tl.where(peak_log2 == float("-inf"), 0.0, peak_log2)
-        count = zero
-        bits_row = keep_bits_ptr + segment.to(tl.int64) * bits_stride
-        # Whole 64-block chunks up to the visible blocks: what the compaction reads.
-        num_words = (num_visible + (CHUNK - 1)) // CHUNK * (CHUNK // WORD)
-        c0 = zero
-        while c0 < num_visible:  # one or a few wide steps: each costs a round trip to the energies row
-            ids = c0 + wide
-            scored = ids < num_candidates
-            energy = tl.load(energies_row + ids, mask=scored, other=float("-inf"))
-            keep = scored & (tl.exp2(energy - peak_offset) >= threshold)
-            forced = (ids < sink_blocks) | ((ids >= window_lo) & (ids <= window_hi)) | (ids >= first_diagonal)
-            keep = (keep | forced | dense) & (ids < num_visible)
-            keep_i = keep.to(tl.int32)
-            words = tl.sum(tl.reshape(keep_i, (PASS2 // WORD, WORD)) << lanes[None, :], axis=1)
-            word_ids = c0 // WORD + tl.arange(0, PASS2 // WORD)
-            tl.store(bits_row + word_ids, words, mask=word_ids < num_words)
-            count += tl.sum(keep_i, axis=0)
-            c0 += PASS2
-        tl.store(counts_ptr + segment, count)
-        # The next segment overwrites this program's energies row.
+        if TILES == 1:
+            # ---- pass 1: one walk over the candidate pooled keys; log2 energies to the workspace row
+            if USE_WHILE:  # the interpreter cannot take loaded values as range() bounds
+                c0 = zero
+                while c0 < full_a:
+                    max_a = _score_step(
+                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
+                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
+                        False, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+                    c0 += BLOCK_N
+                while c0 < candidates_a:
+                    max_a = _score_step(
+                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
+                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
+                        True, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+                    c0 += BLOCK_N
+            else:  # range() loops, so Triton pipelines the pooled-key loads
+                for c0 in range(0, full_a, BLOCK_N):
+                    max_a = _score_step(
+                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
+                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
+                        False, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+                for c0 in range(full_a, candidates_a, BLOCK_N):
+                    max_a = _score_step(
+                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
+                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
+                        True, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+            # Pass 2 reads energies other threads of this program wrote.
+            tl.debug_barrier()
+            _select_tile(
+                energies_a, keep_bits_ptr + segment_a.to(tl.int64) * bits_stride, counts_ptr, segment_a, max_a, alpha,
+                visible_a, candidates_a, diagonal_a, dense_a, sink_blocks, window_lo_a, window_hi_a, CHUNK, PASS2, WORD,
+            )  # fmt: skip
+        else:
+            # ---- the second tile (tile_a + 1 of the same request and KV head; absent when the request has an odd
+            # number of tiles and this is its last unit: then it is dense with no candidates and selects nothing)
+            tile_b = tile_a + 1
+            has_b = tile_b < cur_tiles
+            row_begin_b, row_end_b, visible_b, candidates_b, full_b, diagonal_b, dense_b, window_lo_b, window_hi_b = (
+                _tile_geometry(
+                    tile_b, cur_tiles, prefix, q_len, kv_len, group, window_tokens, dense_tail_tiles,
+                    min_sparse_kv_len, TILE, BLOCK_SIZE, BLOCK_N, FULL_ROWS,
+                )
+            )  # fmt: skip
+            q_t_b, positions_b = _load_tile_rows(
+                q_ptr, keys_ptr, row_begin_b, row_end_b, prefix, q_start, head, group, stride_q_tok, stride_q_head,
+                head_dim, TILE, PROBE, ROWS, BLOCK_D,
+            )  # fmt: skip
+            max_b = tl.full([BLOCK_N], float("-inf"), tl.float32)
+            # One walk over the union of both tiles' candidates. A step runs unmasked when it is unmasked for
+            # every tile that scores; a tile without candidates (dense, or absent) puts no limit on it: its
+            # energies there are never read (pass 2 reads only ids < its candidates, i.e. none).
+            candidates_pair = tl.maximum(candidates_a, candidates_b)
+            limit_a = tl.where(candidates_a == 0, candidates_pair, full_a)
+            limit_b = tl.where(candidates_b == 0, candidates_pair, full_b)
+            full_pair = tl.minimum(limit_a, limit_b)  # a multiple of BLOCK_N
+            if USE_WHILE:
+                c0 = zero
+                while c0 < full_pair:
+                    max_a, max_b = _pair_step(
+                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
+                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
+                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+                    c0 += BLOCK_N
+                while c0 < candidates_pair:
+                    max_a, max_b = _pair_step(
+                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
+                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
+                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+                    c0 += BLOCK_N
+            else:
+                for c0 in range(0, full_pair, BLOCK_N):
+                    max_a, max_b = _pair_step(
+                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
+                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
+                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+                for c0 in range(full_pair, candidates_pair, BLOCK_N):
+                    max_a, max_b = _pair_step(
+                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
+                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
+                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2, MMA_STORE,
+                    )  # fmt: skip
+            tl.debug_barrier()
+            _select_tile(
+                energies_a, keep_bits_ptr + segment_a.to(tl.int64) * bits_stride, counts_ptr, segment_a, max_a, alpha,
+                visible_a, candidates_a, diagonal_a, dense_a, sink_blocks, window_lo_a, window_hi_a, CHUNK, PASS2, WORD,
+            )  # fmt: skip
+            if has_b:
+                segment_b = segment_a + 1
+                _select_tile(
+                    energies_b, keep_bits_ptr + segment_b.to(tl.int64) * bits_stride, counts_ptr, segment_b, max_b,
+                    alpha, visible_b, candidates_b, diagonal_b, dense_b, sink_blocks, window_lo_b, window_hi_b, CHUNK,
+                    PASS2, WORD,
+                )  # fmt: skip
+        # The next unit overwrites this program's energies rows.
         tl.debug_barrier()
         work += num_programs
+
+
+def num_units(tiles_per_request: list[int], tiles_per_program: int) -> int:
+    """Units of work per KV head: each request's tiles in groups of ``tiles_per_program`` (the last may be short).
+
+    Args:
+        tiles_per_request: query tiles of each request.
+        tiles_per_program: 1 or 2.
+
+    Returns:
+        ``sum(ceil(n / tiles_per_program))``.
+    """
+    return sum(-(-n // tiles_per_program) for n in tiles_per_request)
 
 
 def launch_score_select(
@@ -415,7 +720,7 @@ def launch_score_select(
     tile_offsets: torch.Tensor,
     offsets: torch.Tensor,
     views: WorkspaceViews,
-    total_tiles: int,
+    total_units: int,
     num_programs: int,
     group: int,
     alpha: float,
@@ -428,6 +733,7 @@ def launch_score_select(
     min_sparse_kv_len: int,
     dot_kind: int,
     interpret: bool,
+    knobs: tuning.ScoreTuning | None = None,
 ) -> None:
     """Run the fused scoring/selection kernel (inputs checked by the caller).
 
@@ -445,8 +751,8 @@ def launch_score_select(
         block_offsets: ``(B+1,) int32`` cumulative key blocks per request.
         tile_offsets: ``(B+1,) int32`` output: cumulative tiles per request.
         offsets: ``(S+1,) int32`` CSR offsets; only ``offsets[0]`` is written here.
-        views: workspace views of the call.
-        total_tiles: tiles of the batch (per KV head); segments are ``Hkv * total_tiles``.
+        views: workspace views of the call, with ``tiles_per_program`` energies rows per program.
+        total_units: units of work per KV head (:func:`num_units` of the knobs' ``tiles_per_program``).
         num_programs: persistent grid size.
         group: GQA group size ``g``.
         alpha: threshold ratio.
@@ -458,17 +764,24 @@ def launch_score_select(
         dense_tail_tiles: last tiles of a request kept dense.
         min_sparse_kv_len: requests shorter than this are kept dense.
         dot_kind: :data:`DOT_FP32`, :data:`DOT_FP16` or :data:`DOT_BF16`.
-        interpret: running under the Triton interpreter (pass-1 loops as ``while``).
+        interpret: running under the Triton interpreter (pass-1 loops as ``while``, plain energy stores).
+        knobs: scoring knobs (None: :data:`.tuning.SCORE`); the caller sized the work and the workspace
+            with the same ones.
     """
     num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
-    if total_tiles * num_kv_heads == 0:
+    if total_units * num_kv_heads == 0:
         return
-    knobs = tuning.SCORE
-    launch = {"num_warps": knobs.num_warps, "num_stages": knobs.num_stages}
-    maxnreg = knobs.maxnreg_for(head_dim)
+    knobs = tuning.SCORE if knobs is None else knobs
+    rows = score_rows(tile_size, probe_stride)
+    launch = {"num_warps": knobs.num_warps, "num_stages": knobs.stages_for(head_dim, rows)}
+    maxnreg = knobs.maxnreg_for(head_dim, rows)
     if maxnreg is not None and not interpret:
         launch["maxnreg"] = maxnreg
-    rows = score_rows(tile_size, probe_stride)
+    if views.energies.shape[0] < num_programs * knobs.tiles_per_program:
+        raise ValueError(
+            f"the workspace holds {views.energies.shape[0]} energies rows, {num_programs} programs of "
+            f"{knobs.tiles_per_program} tiles need {num_programs * knobs.tiles_per_program}"
+        )
     block_d = max(16, next_power_of_2(head_dim))
     num_requests = cu_seqlens_q.numel() - 1
     _score_select_kernel[(num_programs,)](
@@ -488,7 +801,7 @@ def launch_score_select(
         keys.stride(0),
         keys.stride(1),
         num_requests,
-        total_tiles,
+        total_units,
         num_kv_heads,
         group,
         head_dim,
@@ -515,5 +828,7 @@ def launch_score_select(
         HAS_Q_DESCALE=q_descale is not None,
         USE_WHILE=interpret,
         FAST_LOG2=not interpret,
+        TILES=knobs.tiles_per_program,
+        MMA_STORE=knobs.mma_store and not interpret,
         **launch,
     )

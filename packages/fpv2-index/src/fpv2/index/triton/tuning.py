@@ -30,6 +30,23 @@ class ScoreTuning:
         maxnreg: register cap per thread passed to the compiler (None: the compiler's choice).
         probe_programs_per_sm: persistent programs per SM when probing leaves 64 rows (167
             registers) and 32 or fewer rows (about 120 registers).
+        tiles_per_program: query tiles a program scores together (1 or 2). With 2, the two
+            adjacent tiles of a (request, KV head) walk each pooled-key chunk once: one load, one
+            ``cp.async`` wait and its barriers per chunk for both tiles' GEMMs and exponentials (two
+            independent chains for the scheduler), half the L2 key traffic. Same index as 1.
+        pair_programs_per_sm: persistent programs per SM with two full 128-row tiles per program:
+            two query tiles (64 KB of shared memory) and the key stages (16 KB each), so two fit.
+        pair_maxnreg: register cap with two tiles per program (None: the compiler's choice; two
+            4-warp programs per SM leave 255 registers per thread).
+        pair_num_stages: pooled-key pipeline depth with two full tiles per program (``d <= 128``).
+            With 2 stages Triton issues a step's key load at the end of the step before and waits
+            for it at the top of the step (the L2 latency is exposed every step); 3 stages wait one
+            step later. Two programs of 2 x 32 KB queries + 3 x 16 KB keys (plus 1 KB reserved
+            each) fill the 228 KB of an SM exactly.
+        mma_store: store each step's block energies straight from the MMA accumulator's layout
+            (one ``st.global`` per held value, the 4 lanes holding a value write the same word)
+            instead of through a shared-memory layout change and a CTA barrier. CUDA only; the
+            interpreter always takes the plain store.
     """
 
     block_n: int = 64
@@ -38,6 +55,11 @@ class ScoreTuning:
     programs_per_sm: int = 3
     maxnreg: int | None = 168
     probe_programs_per_sm: tuple[int, int] = (3, 4)
+    tiles_per_program: int = 1
+    pair_programs_per_sm: int = 2
+    pair_maxnreg: int | None = None
+    pair_num_stages: int = 3
+    mma_store: bool = False
 
     def programs_for(self, rows: int, head_dim: int = 128) -> int:
         """Persistent programs per SM for tiles of ``rows`` scored rows (padded to a power of two).
@@ -50,6 +72,13 @@ class ScoreTuning:
         Returns:
             Programs per SM.
         """
+        if self.tiles_per_program == 2:
+            if rows >= 128:
+                return self.pair_programs_per_sm if head_dim <= 128 else 1
+            # Two probed tiles take the registers of one full tile or more (168, the cap, for 2 x 16 rows
+            # too: four such programs would not fit the 64K registers of an SM), and at most its shared memory.
+            count = self.probe_programs_per_sm[0]
+            return count if head_dim <= 128 else max(1, count // 2)
         if rows >= 128:
             count = self.programs_per_sm
         else:
@@ -58,9 +87,34 @@ class ScoreTuning:
             count = 1 if rows >= 128 else max(1, count // 2)
         return count
 
-    def maxnreg_for(self, head_dim: int) -> int | None:
-        """The register cap to compile with: :attr:`maxnreg` for ``d <= 128`` (where it was measured), else None."""
-        return self.maxnreg if head_dim <= 128 else None
+    def stages_for(self, head_dim: int, rows: int = 128) -> int:
+        """The pooled-key pipeline depth to compile with.
+
+        Args:
+            head_dim: ``d``.
+            rows: scored rows per tile after probing.
+
+        Returns:
+            :attr:`pair_num_stages` for two full tiles per program with ``d <= 128``, else :attr:`num_stages`
+            (two probed tiles then take the shared memory of one full tile, as :meth:`programs_for` assumes).
+        """
+        if self.tiles_per_program == 2 and rows >= 128 and head_dim <= 128:
+            return self.pair_num_stages
+        return self.num_stages
+
+    def maxnreg_for(self, head_dim: int, rows: int = 128) -> int | None:
+        """The register cap to compile with, None for ``d > 128`` (only ``d <= 128`` was measured).
+
+        Args:
+            head_dim: ``d``.
+            rows: scored rows per tile after probing.
+
+        Returns:
+            :attr:`pair_maxnreg` for two full tiles per program, else :attr:`maxnreg`; None for ``d > 128``.
+        """
+        if head_dim > 128:
+            return None
+        return self.pair_maxnreg if self.tiles_per_program == 2 and rows >= 128 else self.maxnreg
 
 
 @dataclass(frozen=True)
@@ -121,8 +175,13 @@ def set_tuning(*, score: ScoreTuning | None = None, pool: PoolTuning | None = No
             raise ValueError(f"unsupported scoring knobs {score}")
         if min(score.programs_per_sm, *score.probe_programs_per_sm) < 1:
             raise ValueError(f"programs per SM must be >= 1, got {score}")
-        if score.maxnreg is not None and not 64 <= score.maxnreg <= 255:
-            raise ValueError(f"maxnreg must lie in 64..255, got {score.maxnreg}")
+        for cap in (score.maxnreg, score.pair_maxnreg):
+            if cap is not None and not 64 <= cap <= 255:
+                raise ValueError(f"maxnreg must lie in 64..255, got {cap} ({score})")
+        if score.tiles_per_program not in (1, 2) or score.pair_programs_per_sm < 1 or score.pair_num_stages < 1:
+            raise ValueError(
+                f"tiles_per_program must be 1 or 2, pair_programs_per_sm and pair_num_stages >= 1, got {score}"
+            )
         SCORE = replace(score)
     if pool is not None:
         powers = (1, 2, 4, 8, 16)

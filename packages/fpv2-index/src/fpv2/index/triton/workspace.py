@@ -6,20 +6,22 @@ the other and needs scratch only for the segment it is on. So the scratch does
 not grow with ``Hkv * tiles * blocks`` (the published implementation's layout,
 about 0.4 GB at 128K tokens with 32/8 heads) but with:
 
-- energies: one fp32 row of ``Nb`` log2 block energies per *program*,
-  ``P * Nb * 4`` bytes;
+- energies: one fp32 row of ``Nb`` log2 block energies per tile a *program*
+  scores at once (``T = tiles_per_program``, 1 or 2), ``P * T * Nb * 4`` bytes;
 - keep bits: one bit per (segment, block), padded to whole chunks of
   :data:`CHUNK_BLOCKS` blocks, ``S * ceil(Nb / 64) * 8`` bytes;
 - counts: one int32 per segment, ``S * 4`` bytes;
 
 with ``Nb`` the largest number of key blocks of a request, ``S = Hkv * tiles``
-the number of segments and ``P = min(S, programs per SM * SMs)``.
+the number of segments and ``P = min(S / T, programs per SM * SMs)`` (``S / T``
+rounded up per request: the units of work).
 
 At 128K tokens, one request, 32 query / 8 KV heads, ``Bk = Mt = 128`` on an
 H200 (132 SMs, 3 programs per SM by default, so ``P = 396``): ``Nb = 1024`` and
 ``S = 8 * 4096 = 32768``, i.e. 1.62 MB of energies, 4.19 MB of keep bits and
 0.13 MB of counts: **5.9 MB in all** (see :meth:`IndexWorkspace.required_bytes`;
-measured 5,947,392 bytes), about 70 times less than the published layout.
+measured 5,947,392 bytes), about 70 times less than the published layout. With
+two tiles per program (2 programs per SM, ``P = 264``) the energies are 2.16 MB.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class WorkspaceViews(NamedTuple):
     """The slices of an :class:`IndexWorkspace` one call uses.
 
     Attributes:
-        energies: ``(P, Nb) float32`` log2 block energies, one row per persistent program.
+        energies: ``(P * T, Nb) float32`` log2 block energies, rows ``T p .. T p + T - 1`` for the
+            ``T`` tiles persistent program ``p`` scores at once.
         keep_bits: ``(S, W) int32`` keep bits, one row per segment (``W`` from :func:`words_per_segment`).
         counts: ``(S,) int32`` kept blocks per segment.
     """
@@ -75,8 +78,8 @@ class IndexWorkspace:
 
     Args:
         device: device of the buffers; ``None`` adopts the device of the first call.
-        max_programs: cap on the persistent grid size ``P`` (``None``: 2 per SM on
-            CUDA by default, see :mod:`.tuning`; 8 under the Triton interpreter). Smaller means less scratch and
+        max_programs: cap on the persistent grid size ``P`` (``None``: the programs per SM of
+            :mod:`.tuning` on CUDA; 8 under the Triton interpreter). Smaller means less scratch and
             less parallelism.
 
     Raises:
@@ -95,18 +98,20 @@ class IndexWorkspace:
         self._counts: torch.Tensor | None = None
 
     @staticmethod
-    def required_bytes(num_programs: int, max_blocks: int, num_segments: int) -> int:
-        """Bytes one call needs: ``P * Nb * 4 + S * W * 4 + S * 4``.
+    def required_bytes(num_programs: int, max_blocks: int, num_segments: int, tiles_per_program: int = 1) -> int:
+        """Bytes one call needs: ``P * T * Nb * 4 + S * W * 4 + S * 4``.
 
         Args:
             num_programs: persistent programs ``P``.
             max_blocks: largest number of key blocks of a request ``Nb``.
             num_segments: segments ``S = Hkv * tiles``.
+            tiles_per_program: tiles ``T`` a program scores at once (one energies row each).
 
         Returns:
             The size in bytes (``W = ceil(Nb / 64) * 2`` int32 words per segment).
         """
-        return 4 * (num_programs * max(max_blocks, 1) + num_segments * words_per_segment(max_blocks) + num_segments)
+        rows = num_programs * tiles_per_program
+        return 4 * (rows * max(max_blocks, 1) + num_segments * words_per_segment(max_blocks) + num_segments)
 
     @property
     def nbytes(self) -> int:
@@ -116,10 +121,10 @@ class IndexWorkspace:
         )
 
     def num_programs(self, num_work: int, device: torch.device, rows: int = 128, head_dim: int = 128) -> int:
-        """Persistent grid size for ``num_work`` segments on ``device``.
+        """Persistent grid size for ``num_work`` units of work on ``device``.
 
         Args:
-            num_work: segments to process.
+            num_work: units of work (segments, or pairs of segments with two tiles per program).
             device: where the kernel runs.
             rows: scored rows per tile (fewer rows, fewer registers, more programs per SM).
             head_dim: ``d`` (larger heads, more shared memory, fewer programs per SM).
@@ -135,7 +140,15 @@ class IndexWorkspace:
             cap = INTERPRETER_PROGRAMS
         return max(1, min(num_work, cap))
 
-    def reserve(self, *, num_programs: int, max_blocks: int, num_segments: int, device: torch.device) -> WorkspaceViews:
+    def reserve(
+        self,
+        *,
+        num_programs: int,
+        max_blocks: int,
+        num_segments: int,
+        device: torch.device,
+        tiles_per_program: int = 1,
+    ) -> WorkspaceViews:
         """Views sized for one call, growing the buffers when they are too small.
 
         Args:
@@ -143,6 +156,7 @@ class IndexWorkspace:
             max_blocks: largest number of key blocks of a request ``Nb``.
             num_segments: segments ``S``.
             device: device of the call.
+            tiles_per_program: tiles a program scores at once; energies has ``P * tiles_per_program`` rows.
 
         Returns:
             The :class:`WorkspaceViews` of the call (contents undefined: the kernel writes before it reads).
@@ -157,11 +171,12 @@ class IndexWorkspace:
             raise ValueError(f"IndexWorkspace lives on {self.device}, the call runs on {device}; use one per device")
         row = max(max_blocks, 1)
         words = words_per_segment(max_blocks)
-        self._energies = self._grow(self._energies, num_programs * row, torch.float32, device)
+        num_rows = num_programs * tiles_per_program
+        self._energies = self._grow(self._energies, num_rows * row, torch.float32, device)
         self._keep_bits = self._grow(self._keep_bits, num_segments * words, torch.int32, device)
         self._counts = self._grow(self._counts, num_segments, torch.int32, device)
         return WorkspaceViews(
-            energies=self._energies[: num_programs * row].view(num_programs, row),
+            energies=self._energies[: num_rows * row].view(num_rows, row),
             keep_bits=self._keep_bits[: num_segments * words].view(num_segments, words),
             counts=self._counts[:num_segments],
         )
