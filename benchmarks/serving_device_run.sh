@@ -6,15 +6,19 @@
 #   chunked  benchmarks/chunked_prefill.py at 128K with 8K and 16K chunks (no fp32 reference)
 #   soak     benchmarks/soak.py: up to 10,000 pipeline calls, stopped by the time left (--time-limit)
 #   tests    the GPU-marked serving tests (pytest -m gpu)
+#   transformers  benchmarks/transformers_long_prefill.py: a random 2-layer Llama-3.1-8B-shaped model in
+#            transformers, sdpa vs attn_implementation="fpv2" (default sparse settings) at 8K/32K/64K:
+#            prefill time, density, top-1 agreement; not in the default steps
 # Each step runs under its own time limit; all share FPV2_BUDGET_S. Everything a step writes goes
 # to $OUT/<step>/ and is packed into $OUT/serving-results.tgz at the end (the device returns at
 # most 8 files); $OUT/serving-device-run.log holds the whole output, and a compact table is
 # printed last. Needs no network: the packages run from their src/ folders.
 #
 # Environment: OUT [fpv2-results/serving], PYTHON [python3], FPV2_BUDGET_S [280],
-# FPV2_SOAK_CALLS [10000], FPV2_LIMIT_TESTS / _ROUTING / _CHUNKED step limits in seconds
-# [120 / 55 / 95; the soak takes what is left], FPV2_CHUNKED_ARGS (extra chunked_prefill.py
-# options), FPV2_TEST_PATHS / FPV2_TEST_TIMEOUT (test files, per-test limit), FPV2_COMMIT (recorded in the JSON; the device
+# FPV2_SOAK_CALLS [10000], FPV2_LIMIT_TESTS / _ROUTING / _CHUNKED / _TRANSFORMERS step limits in
+# seconds [120 / 55 / 95 / 200; the soak takes what is left], FPV2_CHUNKED_ARGS (extra chunked_prefill.py
+# options), FPV2_TRANSFORMERS_ARGS (extra transformers_long_prefill.py options, e.g. --init-std 0.1),
+# FPV2_TEST_PATHS / FPV2_TEST_TIMEOUT (test files, per-test limit), FPV2_COMMIT (recorded in the JSON; the device
 # copy has no git).
 
 set -u -o pipefail
@@ -77,15 +81,23 @@ for step in "${STEPS[@]}"; do
             -m gpu -q -rs -p no:cacheprovider --timeout "${FPV2_TEST_TIMEOUT:-90}" \
             --junitxml="$OUT/tests/junit-gpu-serving.xml"
         ;;
+    transformers)
+        # The script skips the lengths that would not fit (--time-limit), leaving time to write its files.
+        limit=${FPV2_LIMIT_TRANSFORMERS:-200}
+        [ "$limit" -gt $(($(left) - 8)) ] && limit=$(($(left) - 8))
+        # shellcheck disable=SC2086 # FPV2_TRANSFORMERS_ARGS: space-separated extra options
+        run_step transformers "$limit" "$PYTHON" benchmarks/transformers_long_prefill.py --out "$OUT/transformers" \
+            --repeats 10 --warmup 2 --time-limit $((limit > 40 ? limit - 20 : limit / 2 + 1)) ${FPV2_TRANSFORMERS_ARGS:-}
+        ;;
     *) STATUS+=("$step: unknown step") ;;
     esac
 done
 
-# Compact table last: routing switch points, chunked rows, soak verdicts, test summary.
+# Compact table last: routing switch points, chunked and transformers rows, soak verdicts, test summary.
 {
     echo "=== summary (${SECONDS}s)"
     printf '%s\n' "${STATUS[@]}"
-    for f in "$OUT"/routing/*.md "$OUT"/chunked/*.md; do
+    for f in "$OUT"/routing/*.md "$OUT"/chunked/*.md "$OUT"/transformers/*.md; do
         [ -f "$f" ] && { echo "--- ${f#"$OUT"/}"; cat "$f"; }
     done
     grep -h "switch point" "$LOG" || true
@@ -96,5 +108,6 @@ done
 find "$OUT" -type f \( -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.xml' \) -print0 |
     xargs -0 -r sed -i "s#$OUT#<out>#g; s#$ROOT#<repo>#g"
 (cd "$OUT" && tar czf serving-results.tgz --exclude=serving-results.tgz --exclude=serving-device-run.log \
-    $(ls -d routing chunked soak tests 2>/dev/null)) && rm -rf "$OUT"/routing "$OUT"/chunked "$OUT"/soak "$OUT"/tests
+    $(ls -d routing chunked soak tests transformers 2>/dev/null)) &&
+    rm -rf "$OUT"/routing "$OUT"/chunked "$OUT"/soak "$OUT"/tests "$OUT"/transformers
 ls -la "$OUT"
