@@ -91,7 +91,13 @@ def native(session: nox.Session) -> None:
         "cmake", "-S", "packages/fpv2-kernel", "-B", build_dir, "-G", "Ninja",
         "-DFPV2_BUILD_HOPPER_KERNEL=ON", f"-DFPV2_CUTLASS_DIR={cutlass}",
     )  # fmt: skip
-    session.run("cmake", "--build", build_dir, "-j", str(os.cpu_count() or 2))
+    # -v prints ptxas's report; a kernel that ptxas moved to local memory fails here, not on the device.
+    build_log = session.run("cmake", "--build", build_dir, "-v", "-j", str(os.cpu_count() or 2), silent=True)
+    log_path = os.path.join(session.create_tmp(), "hopper-build.log")
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(build_log or "")
+    # An incremental build that did not recompile the kernel prints no report: nothing to check then.
+    session.run("python", "packages/fpv2-kernel/tools/check_ptxas_report.py", log_path, "--allow-missing")
     session.run(os.path.join(build_dir, "fpv2_hopper_layout_check"), external=True)
     session.run(os.path.join(build_dir, "fpv2_hopper_prefill_test"), "--mode", "refusals", external=True)
 

@@ -126,6 +126,9 @@ ptxas_and_sass() {
     # Two instantiations: <..., false> (one CTA per tile, the default) and <..., true> (persistent, opt-in).
     grep -A3 "Compiling entry function '.*prefill_kernel" "$OUT/build.log" || echo "(no ptxas report found)"
     grep -n "C7508\|setmaxnreg" "$OUT/build.log" && echo "!!! setmaxnreg warning above"
+    # Stack frame and spill budget per instantiation (the producer's known few bytes pass; kernel state
+    # moved to local memory does not).
+    python3 "$ROOT/packages/fpv2-kernel/tools/check_ptxas_report.py" "$OUT/build.log" || return 1
     local cuobjdump
     cuobjdump="$(find_tool cuobjdump)" || {
         echo "cuobjdump not found"
@@ -146,10 +149,10 @@ ptxas_and_sass() {
         echo "!!! HGMMA or UTMALDG missing from the SASS"
         return 1
     }
-    if grep -qE "\bLDL|\bSTL" "$OUT/kernel.sass"; then
-        echo "!!! local-memory loads/stores in the kernel"
-        return 1
-    fi
+    # Local memory is reported, not fatal: the budget check above is the gate (the producer's 24 registers
+    # spill a few bytes by design).
+    grep -qE "\bLDL|\bSTL" "$OUT/kernel.sass" && echo "(local-memory loads/stores in the kernel: $(grep -cE "\bLDL|\bSTL" "$OUT/kernel.sass"))"
+    return 0
 }
 
 sanitize() {

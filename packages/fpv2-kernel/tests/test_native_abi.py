@@ -598,6 +598,10 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "true")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_PERSISTENT=true" in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "0")
+    monkeypatch.setenv("FPV2_HOPPER_REQUEST_MAJOR", "yes")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "FPV2_HOPPER_REQUEST_MAJOR=yes" in _last_error()
 
 
 def test_pooled_statistics_may_be_bf16_but_both_alike() -> None:

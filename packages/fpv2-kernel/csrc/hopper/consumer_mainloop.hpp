@@ -41,9 +41,11 @@ struct ConsumerMainloop {
   using TileS = cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<Traits::kBlockN>>;
   using TileO = cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<Traits::kHeadDim>>;
 
+  // Always inlined into the kernel: left to the inliner, a small change elsewhere in the kernel (one more
+  // branch in the tile order) made it a call whose output accumulators ptxas put in local memory.
   template <class Params, class Geometry, class Storage>
-  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int consumer_thread,
-                             typename KvPipeline<Traits::kStages>::State& state) {
+  __device__ __forceinline__ static void run(Params const& params, Geometry const& tile, Storage& smem,
+                                             int consumer_thread, typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
     const int wg = consumer_thread / Traits::kThreadsPerWarpGroup;

@@ -245,6 +245,8 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   int32_t pingpong = 0, persistent = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PINGPONG", &pingpong));
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PERSISTENT", &persistent));
+  int32_t request_major = 0;
+  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_REQUEST_MAJOR", &request_major));
 
   DeviceGuard guard;
   FPV2_RETURN_IF_ERROR(guard.select(args.device));
@@ -284,6 +286,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   plan.gather_layout = gather_layout;
   plan.pingpong = pingpong;
   plan.persistent = persistent;
+  plan.request_major = request_major;
   if (args.index != nullptr) {
     plan.index_offsets = static_cast<const int32_t*>(args.index->offsets.data);
     plan.index_blocks = static_cast<const int32_t*>(args.index->blocks.data);

@@ -54,14 +54,22 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
   Storage& smem = *reinterpret_cast<Storage*>((base + kSmemTileAlignment - 1) & ~uintptr_t(kSmemTileAlignment - 1));
 
-  // Work tiles in a 1-D order, (KV head, request) fastest and the query tile slowest, tiles in decreasing
-  // order: the tiles taken first are the ones with the longest causal rows of every head and request.
+  // Work tiles in a 1-D order, query tiles in decreasing order so that the tiles taken first have the
+  // longest causal rows. Default: (KV head, request) fastest, the query tile slowest. Request-major
+  // (params.request_major): request slowest, then the query tile, KV head fastest, so the CTAs resident
+  // together read the K/V of one request and share it in L2 (at B = 1 both orders are the same).
   // One CTA per tile, or (kPersistent) one CTA per SM walking tiles blockIdx.x, + gridDim.x, ...
   const int heads_x_requests = params.num_kv_heads * params.num_requests;
   auto tile_at = [&](int index) {
-    const int slot = index % heads_x_requests;
-    const int m_block = params.num_m_blocks - 1 - index / heads_x_requests;
-    return Geometry::load(slot / params.num_kv_heads, slot % params.num_kv_heads, m_block, params.group,
+    // Digits of the index, fastest first: the KV head, then `middle`, then `outer`; the flag (0 or 1) only
+    // swaps which of the two is the request.
+    const int rm = params.request_major;
+    const int period = params.num_kv_heads * (rm * params.num_m_blocks + (1 - rm) * params.num_requests);
+    const int outer = index / period, inner = index % period;
+    const int middle = inner / params.num_kv_heads;
+    const int request = rm * outer + (1 - rm) * middle;
+    const int m_from_last = rm * middle + (1 - rm) * outer;
+    return Geometry::load(request, inner % params.num_kv_heads, params.num_m_blocks - 1 - m_from_last, params.group,
                           params.cu_seqlens_q, params.seqlens_k);
   };
   if constexpr (!kPersistent) {

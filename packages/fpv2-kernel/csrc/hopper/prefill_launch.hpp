@@ -131,6 +131,7 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       static_cast<Element const*>(plan.pooled_v),
       plan.pingpong,
       persistent ? 1 : 0,
+      plan.request_major,
   };
 
   auto kernel = persistent ? prefill_kernel<Traits, true> : prefill_kernel<Traits, false>;

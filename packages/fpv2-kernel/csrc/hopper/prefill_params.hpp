@@ -93,9 +93,13 @@ struct PrefillParams {
   // measured): a warpgroup issues its QK only on its turn and hands the turn over right after issuing.
   int32_t pingpong;
 
-  // Persistent CTAs (FPV2_HOPPER_PERSISTENT=1, TMA path only; off by default until measured): gridDim.x
+  // Persistent CTAs (FPV2_HOPPER_PERSISTENT=1, TMA path only; measured slower in dense mode): gridDim.x
   // CTAs walk the tiles with stride gridDim.x instead of one CTA per tile.
   int32_t persistent;
+
+  // Tile order (prefill_kernel.hpp): 1 = request-major (the CTAs running together share one request's K/V
+  // in L2), 0 = (KV head, request) fastest; the same order at B = 1.
+  int32_t request_major;
 };
 
 }  // namespace fpv2::hopper

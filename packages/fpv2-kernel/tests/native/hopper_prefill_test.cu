@@ -2,8 +2,8 @@
 // dense, block-sparse over a CSR index, with or without the mean correction), built with
 // -DFPV2_BUILD_HOPPER_KERNEL=ON.
 //
-//   fpv2_hopper_prefill_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10] [--keep 0.03]
-//                          [--page-size 128] [--seed N]
+//   fpv2_hopper_prefill_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10]
+//                          [--keep 0.03] [--batch 1] [--page-size 128] [--seed N]
 //
 //   correctness  the refusal checks, then a grid of cases (B in {1, 3}, GQA 1/3/4/8, page sizes 128/256,
 //                lengths up to 4K with and without a cached prefix, padded strides, an explicit scale), each
@@ -11,7 +11,8 @@
 //                correction: each run poisons out/lse with NaN, runs the kernel and compares every output and
 //                lse with a naive fp32 reference kernel; also counts stray writes outside the outputs.
 //   small        one small case (for compute-sanitizer).
-//   timing       B=1, Hq=32, Hkv=8, d=128, page --page-size (128), L in --lengths: median of --repeats runs (CUDA events)
+//   timing       B = --batch (1) requests of L tokens (L in --lengths), Hq=32, Hkv=8, d=128, page --page-size
+//                (128): median of --repeats runs (CUDA events)
 //                and TFLOP/s with the causal convention 4 * B * Hq * L^2 * d / 2, dense, then sparse at
 //                --keep (a random CSR of about that density) without and with the correction; plus a
 //                reference check on 16 sampled query tokens each.
@@ -375,16 +376,19 @@ bool time_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, int repea
   return true;
 }
 
-int run_timing(const std::vector<int>& lengths, int repeats, double keep, int page_size, cudaStream_t stream) {
+int run_timing(const std::vector<int>& lengths, int batch, int repeats, double keep, int page_size,
+               cudaStream_t stream) {
   int failures = 0;
   for (int L : lengths) {
-    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, {L}, {0}, 1000 + uint64_t(L));
+    // `batch` requests of L tokens each, no prefix.
+    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, std::vector<int>(size_t(batch), L),
+                          std::vector<int>(size_t(batch), 0), 1000 + uint64_t(L));
     s.q_range = 1.0f;
     nt::PagedCase c(s);
-    const double flops = 4.0 * 1 * c.num_q_heads() * double(L) * double(L) * kHeadDim / 2.0;
-    // Spot check: the reference on 16 query tokens spread over the sequence (the last one included).
+    const double flops = 4.0 * batch * c.num_q_heads() * double(L) * double(L) * kHeadDim / 2.0;
+    // Spot check: the reference on 16 query tokens spread over the batch (the last one included).
     std::vector<int32_t> sample;
-    for (int i = 0; i < 16; ++i) sample.push_back(int32_t(int64_t(L - 1) * i / 15));
+    for (int i = 0; i < 16; ++i) sample.push_back(int32_t((int64_t(L) * batch - 1) * i / 15));
     double dense_ms = 0.0, sparse_ms = 0.0;
     for (int variant = 0; variant < (keep >= 0 ? 3 : 1); ++variant) {
       std::unique_ptr<nt::SparseCase> sparse;
@@ -408,23 +412,25 @@ int run_timing(const std::vector<int>& lengths, int repeats, double keep, int pa
       // Sparse: time relative to density x dense time (target <= 1.15); corrected: overhead over sparse.
       const double vs_density = variant > 0 && dense_ms > 0 ? median / (density * dense_ms) : 1.0;
       const double overhead = variant == 2 && sparse_ms > 0 ? median / sparse_ms - 1.0 : 0.0;
-      std::printf("[%s] timing L=%d B=1 Hq=32 Hkv=8 d=128 page=%d bf16 causal %-29s density %.4f: median %.3f ms "
+      std::printf("[%s] timing L=%d B=%d Hq=32 Hkv=8 d=128 page=%d bf16 causal %-29s density %.4f: median %.3f ms "
                   "over %d runs (min %.3f, max %.3f) -> %.1f dense-equivalent TFLOP/s; time / (density x dense) "
                   "%.3f; correction overhead %.1f%%; sampled check max|err|=%.3e rel_rms=%.3e lse_err=%.3e\n",
-                  sample_ok ? "PASS" : "FAIL", L, page_size, impl, density, median, repeats, times.front(), times.back(),
+                  sample_ok ? "PASS" : "FAIL", L, batch, page_size, impl, density, median, repeats, times.front(), times.back(),
                   flops / (median * 1e9), vs_density, 100.0 * overhead, st.max_abs_err, rel_rms, st.max_lse_err);
       const char* gather = std::getenv("FPV2_HOPPER_GATHER");
       const char* pingpong = std::getenv("FPV2_HOPPER_PINGPONG");
       const int pingpong_on = pingpong != nullptr && std::strcmp(pingpong, "1") == 0;
       const char* persistent = std::getenv("FPV2_HOPPER_PERSISTENT");
       const int persistent_on = persistent != nullptr && std::strcmp(persistent, "1") == 0;
+      const char* request_major = std::getenv("FPV2_HOPPER_REQUEST_MAJOR");
+      const int request_major_on = request_major != nullptr && std::strcmp(request_major, "1") == 0;
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
-      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"B\": 1, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
+      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"request_major\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
                   "\"d\": 128, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "
                   "\"correction_overhead\": %.4f, \"repeats\": %d, \"sample_max_abs_err\": %.4e, "
                   "\"sample_rel_rms\": %.4e}\n",
-                  impl, kv_path.c_str(), pingpong_on, persistent_on, L, page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
+                  impl, kv_path.c_str(), pingpong_on, persistent_on, request_major_on, batch, L, page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
                   st.max_abs_err, rel_rms);
       failures += sample_ok ? 0 : 1;
     }
@@ -455,6 +461,7 @@ int main(int argc, char** argv) {
   int repeats = 10;
   double keep = 0.03;
   int page_size = 128;
+  int batch = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--mode" && i + 1 < argc) {
@@ -463,6 +470,8 @@ int main(int argc, char** argv) {
       lengths = parse_list(argv[++i]);
     } else if (arg == "--repeats" && i + 1 < argc) {
       repeats = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--batch" && i + 1 < argc) {
+      batch = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--page-size" && i + 1 < argc) {
       page_size = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--keep" && i + 1 < argc) {
@@ -472,7 +481,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--mode correctness|small|timing|refusals] [--lengths L1,L2] [--repeats N] [--keep P] "
-                   "[--page-size P] [--seed N]\n",
+                   "[--page-size P] [--batch B] [--seed N]\n",
                    argv[0]);
       return 2;
     }
@@ -493,7 +502,7 @@ int main(int argc, char** argv) {
       failures += run_case(spec("small_B3_g4_p128", 2, 4, 128, {3, 130, 300}, {0, 200, 61}, 5), stream);
       failures += run_case(spec("small_B3_g4_p16", 2, 4, 16, {3, 130, 300}, {0, 200, 61}, 6), stream);
     } else if (mode == "timing") {
-      failures += run_timing(lengths, repeats, keep, page_size, stream);
+      failures += run_timing(lengths, batch, repeats, keep, page_size, stream);
     } else {
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
       return 2;

@@ -1,0 +1,56 @@
+"""tools/check_ptxas_report.py: the budget check on ptxas's report of the Hopper kernel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_ptxas_report.py"
+
+_ENTRY = (
+    "ptxas info    : Compiling entry function "
+    "'_ZN4fpv26hopper14prefill_kernelINS0_13PrefillTraitsILi128ELi2EEELb{flag}EEEvNS0_13PrefillParamsIT_EE' "
+    "for 'sm_90a'\n"
+    "ptxas info    : Function properties for _ZN4fpv26hopper14prefill_kernel...\n"
+    "    {stack} bytes stack frame, {stores} bytes spill stores, {loads} bytes spill loads\n"
+    "ptxas info    : Used 168 registers, used 16 barriers, {stack} bytes cumulative stack size\n"
+)
+
+
+def _report(default: tuple[int, int, int], persistent: tuple[int, int, int]) -> str:
+    text = "[1/3] nvcc ...\n"
+    for flag, (stack, stores, loads) in ((0, default), (1, persistent)):
+        text += _ENTRY.format(flag=flag, stack=stack, stores=stores, loads=loads)
+    return text + "ptxas info    : Compiling entry function '_ZN3fpv211other_kernelEv' for 'sm_90a'\n"
+
+
+def _run(tmp_path: Path, text: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    log = tmp_path / "build.log"
+    log.write_text(text)
+    return subprocess.run([sys.executable, str(TOOL), str(log), *extra], capture_output=True, text=True)
+
+
+def test_the_measured_report_passes(tmp_path: Path) -> None:
+    result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12)))
+    assert result.returncode == 0, result.stdout
+    assert "default instantiation: 8 B stack, 4 / 4" in result.stdout
+    assert "persistent instantiation: 8 B stack, 12 / 12" in result.stdout
+
+
+def test_accumulators_in_local_memory_fail(tmp_path: Path) -> None:
+    # The regression this guards against: the consumer main loop made a call, its accumulators on the stack.
+    result = _run(tmp_path, _report((944, 44, 36), (8, 12, 12)))
+    assert result.returncode == 1
+    assert "FAIL: prefill_kernel (one CTA per tile): 944 bytes stack frame and 44 bytes of spills" in result.stdout
+
+
+def test_persistent_budget_is_its_own(tmp_path: Path) -> None:
+    assert _run(tmp_path, _report((8, 4, 4), (8, 16, 16))).returncode == 0
+    result = _run(tmp_path, _report((8, 4, 4), (8, 24, 24)))
+    assert result.returncode == 1 and "(persistent)" in result.stdout
+
+
+def test_a_log_without_the_kernel(tmp_path: Path) -> None:
+    assert _run(tmp_path, "ninja: no work to do.\n").returncode == 1
+    assert _run(tmp_path, "ninja: no work to do.\n", "--allow-missing").returncode == 0

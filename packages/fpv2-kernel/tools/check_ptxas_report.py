@@ -1,0 +1,112 @@
+"""Fail when ptxas gave the Hopper prefill kernel a stack frame or spills beyond its known budget.
+
+The kernel runs its producer warpgroup in 24 registers and its consumers in 240; ptxas's choices there
+are fragile: one more branch in the tile order once made the consumer main loop a call whose output
+accumulators went to local memory (a 944-byte stack frame, every accumulator update through memory),
+with no error and no warning. This check reads the ``-Xptxas -v`` report of a build (``cmake --build -v``
+output) and compares each ``prefill_kernel`` instantiation with a budget, so that regression fails the
+build's checks instead of a timing run on the device.
+
+Usage::
+
+    cmake --build build -v 2>&1 | python tools/check_ptxas_report.py -
+    python tools/check_ptxas_report.py build.log
+
+Exit status 0 when every instantiation found is within budget (or, with ``--allow-missing``, when the
+log holds no report: an incremental build that did not recompile the kernel), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+
+#: Per instantiation (the kernel's second template argument, persistent CTAs): stack bytes, spill bytes.
+#: Measured at 8 / 4 (one CTA per tile) and 8 / 12 (persistent) on nvcc 13.0 (benchmarks/NOTES.md).
+BUDGETS = {False: (16, 8), True: (16, 16)}
+
+_ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']*prefill_kernel[^']*)'")
+_FRAME = re.compile(
+    r"(?P<stack>\d+) bytes stack frame, (?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads"
+)
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """What ptxas reported for one ``prefill_kernel`` instantiation."""
+
+    name: str
+    persistent: bool
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+def parse_reports(text: str) -> list[KernelReport]:
+    """The ``prefill_kernel`` entries of a ptxas ``-v`` report, in the order they appear."""
+    reports = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        entry = _ENTRY.search(line)
+        if entry is None:
+            continue
+        for follow in lines[i + 1 : i + 4]:
+            frame = _FRAME.search(follow)
+            if frame is not None:
+                name = entry.group("name")
+                # Itanium mangling of the bool template argument: Lb0E (false) / Lb1E (true).
+                reports.append(
+                    KernelReport(
+                        name=name,
+                        persistent="Lb1E" in name,
+                        stack_bytes=int(frame.group("stack")),
+                        spill_store_bytes=int(frame.group("stores")),
+                        spill_load_bytes=int(frame.group("loads")),
+                    )
+                )
+                break
+    return reports
+
+
+def over_budget(report: KernelReport) -> str | None:
+    """Why ``report`` exceeds its budget, or None."""
+    max_stack, max_spill = BUDGETS[report.persistent]
+    spill = max(report.spill_store_bytes, report.spill_load_bytes)
+    if report.stack_bytes > max_stack or spill > max_spill:
+        kind = "persistent" if report.persistent else "one CTA per tile"
+        return (
+            f"prefill_kernel ({kind}): {report.stack_bytes} bytes stack frame and {spill} bytes of spills, "
+            f"budget {max_stack} / {max_spill}: ptxas moved kernel state to local memory"
+        )
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log", help="build output holding the ptxas -v report, or - for standard input")
+    parser.add_argument("--allow-missing", action="store_true", help="pass when the log has no report")
+    args = parser.parse_args(argv)
+    text = sys.stdin.read() if args.log == "-" else open(args.log, encoding="utf-8", errors="replace").read()
+    reports = parse_reports(text)
+    if not reports:
+        print(
+            "check_ptxas_report: no prefill_kernel entry in the ptxas report"
+            + (" (allowed)" if args.allow_missing else "")
+        )
+        return 0 if args.allow_missing else 1
+    failures = [why for why in map(over_budget, reports) if why]
+    for report in reports:
+        print(
+            f"check_ptxas_report: {'persistent' if report.persistent else 'default'} instantiation: "
+            f"{report.stack_bytes} B stack, {report.spill_store_bytes} / {report.spill_load_bytes} "
+            "B spill stores / loads"
+        )
+    for why in failures:
+        print(f"check_ptxas_report: FAIL: {why}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
