@@ -78,6 +78,22 @@ def test_hopper_backend_states_what_it_does_not_serve():
         assert "bf16" in hopper.serves(cuda_q.half(), None, _batch(128), None)
 
 
+def test_hopper_backend_sends_caches_it_cannot_read_as_rows_to_the_fallback():
+    # A transformers layer's K is (B, Hkv, L, d): viewed as 128-token pages its head stride is L * d, which the
+    # kernel's (num_pages * page_size, Hkv * d) row view cannot read (seen on the H200 as a refusal).
+    problem = registry.HopperBackend._cache_layout_problem
+    rows = torch.zeros(4, 128, 2, 128, dtype=torch.bfloat16)
+    assert problem(rows) is None
+    assert problem(torch.zeros(4, 128, 3, 128, dtype=torch.bfloat16)[:, :, :2]) is None  # padded token rows
+    head_major = torch.zeros(1, 2, 512, 128, dtype=torch.bfloat16).view(2, 4, 128, 128).permute(1, 2, 0, 3)
+    assert "head stride d" in problem(head_major)
+    pages_apart = torch.zeros(8, 128, 2, 128, dtype=torch.bfloat16)[::2]
+    assert "contiguous pages" in problem(pages_apart)
+    if torch.cuda.is_available():
+        q = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
+        assert "head stride d" in registry.HopperBackend().serves(q, head_major.cuda(), _batch(128), None)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fallback_backend_matches_the_fallback_alone_on_pages_it_does_not_serve(page_size):
     # Through the real pipeline: the reference stands in for the portable backend.

@@ -97,8 +97,8 @@ struct PrefillParams {
   // CTAs walk the tiles with stride gridDim.x instead of one CTA per tile.
   int32_t persistent;
 
-  // Tile order (prefill_kernel.hpp): 1 = request-major (the CTAs running together share one request's K/V
-  // in L2), 0 = (KV head, request) fastest; the same order at B = 1.
+  // Tile order (prefill_kernel.hpp): 1 = request-major (default: the CTAs running together share one
+  // request's K/V in L2), 0 = (KV head, request) fastest; the same order at B = 1.
   int32_t request_major;
 };
 

@@ -423,7 +423,7 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const char* persistent = std::getenv("FPV2_HOPPER_PERSISTENT");
       const int persistent_on = persistent != nullptr && std::strcmp(persistent, "1") == 0;
       const char* request_major = std::getenv("FPV2_HOPPER_REQUEST_MAJOR");
-      const int request_major_on = request_major != nullptr && std::strcmp(request_major, "1") == 0;
+      const int request_major_on = !(request_major != nullptr && std::strcmp(request_major, "0") == 0);
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
       std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"request_major\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
                   "\"d\": 128, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
