@@ -563,7 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     notes = protocol_notes(device, args.repeats, dry_run)
     notes += [
         f"random-weight model (LlamaConfig, initializer_range={args.init_std:g}), not a trained one: its attention "
-        "is nearly uniform, so density and agreement describe the adapter on this input, not on a real model",
+        "is nearly uniform at small init std and dominated by single random keys at large ones (neither has a "
+        "trained model's block structure), so density and agreement describe the adapter on this input, not on "
+        "a real model",
         "ms: the whole causal-LM forward (embedding, all layers, final norm, LM head over every position), median "
         f"of {args.repeats} runs after {args.warmup} warm-up; fpv2 pipeline ms: its stages summed over the layers",
         "densities: what the adapter recorded (track_density) in one untimed forward per length; top-1 and errors "
