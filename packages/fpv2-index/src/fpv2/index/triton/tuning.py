@@ -34,6 +34,8 @@ class ScoreTuning:
             adjacent tiles of a (request, KV head) walk each pooled-key chunk once: one load, one
             ``cp.async`` wait and its barriers per chunk for both tiles' GEMMs and exponentials (two
             independent chains for the scheduler), half the L2 key traffic. Same index as 1.
+            Measured slower on the H200 at 128K (2.57 against 2.41 ms: two programs per SM instead
+            of three), so 1 stays the default (benchmarks/NOTES.md, 2026-12-01).
         pair_programs_per_sm: persistent programs per SM with two full 128-row tiles per program:
             two query tiles (64 KB of shared memory) and the key stages (16 KB each), so two fit.
         pair_maxnreg: register cap with two tiles per program (None: the compiler's choice; two
@@ -46,7 +48,8 @@ class ScoreTuning:
         mma_store: store each step's block energies straight from the MMA accumulator's layout
             (one ``st.global`` per held value, the 4 lanes holding a value write the same word)
             instead of through a shared-memory layout change and a CTA barrier. CUDA only; the
-            interpreter always takes the plain store.
+            interpreter always takes the plain store. Measured 2.20 against 2.41 ms at 128K in one
+            run, inside the default's run-to-run spread; off until confirmed.
     """
 
     block_n: int = 64
