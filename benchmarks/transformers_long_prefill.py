@@ -255,33 +255,6 @@ def final_outputs(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tens
         return hidden, model.lm_head(hidden)
 
 
-def relative_l2_error_by_rows(out: torch.Tensor, ref: torch.Tensor, rows: int = 4096) -> float:
-    """:func:`fpv2.serving.metrics.relative_l2_error` of large tensors, in fp64 over row chunks.
-
-    The logits at 64K positions hold billions of elements; chunking keeps the fp64
-    copies small.
-
-    Args:
-        out: ``(..., n)`` tensor under test.
-        ref: reference, same shape.
-        rows: rows of the last dimension per chunk.
-
-    Returns:
-        ``||out - ref|| / ||ref||`` (``||out - ref||`` when ``ref`` is zero).
-    """
-    if out.shape != ref.shape:
-        raise ValueError(f"out and ref must have the same shape; got {tuple(out.shape)} and {tuple(ref.shape)}")
-    o, r = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    num = torch.zeros((), dtype=torch.float64, device=out.device)
-    den = torch.zeros((), dtype=torch.float64, device=out.device)
-    for start in range(0, o.shape[0], rows):
-        r64 = r[start : start + rows].double()
-        num += (o[start : start + rows].double() - r64).square().sum()
-        den += r64.square().sum()
-    num_f, den_f = float(num), float(den)
-    return math.sqrt(num_f / den_f) if den_f else math.sqrt(num_f)
-
-
 def accuracy(
     hidden: torch.Tensor, logits: torch.Tensor, ref_hidden: torch.Tensor, ref_logits: torch.Tensor, tail: int
 ) -> dict[str, float | int]:
@@ -304,7 +277,7 @@ def accuracy(
         "top1_agreement_tail": float(same[..., -tail:].float().mean()),
         "tail_positions": tail,
         "hidden_rel_err": relative_l2_error(hidden, ref_hidden),
-        "logits_rel_err": relative_l2_error_by_rows(logits, ref_logits),
+        "logits_rel_err": relative_l2_error(logits, ref_logits, chunk_rows=4096),
     }
 
 

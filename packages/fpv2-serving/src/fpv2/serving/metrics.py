@@ -2,32 +2,40 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fpv2.kernel import PagedPrefillBatch
 
 
-def relative_l2_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_l2_error(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int | None = None) -> float:
     """``||out - ref|| / ||ref||`` over all elements, in fp64.
 
     Args:
         out: the output under test.
         ref: the reference output, same shape.
+        chunk_rows: accumulate over chunks of this many rows of the last dimension, so that the fp64
+            copies stay small for large tensors (e.g. the logits of a 64K-token prompt); None: at once.
 
     Returns:
-        The relative L2 error (0.0 when both are zero).
+        The relative L2 error (``||out - ref||`` when ``ref`` is zero).
 
     Raises:
         ValueError: the shapes differ.
     """
     if out.shape != ref.shape:
         raise ValueError(f"out and ref must have the same shape; got {tuple(out.shape)} and {tuple(ref.shape)}")
-    ref64 = ref.double()
-    num = torch.linalg.vector_norm(out.double() - ref64)
-    den = torch.linalg.vector_norm(ref64)
-    if float(den) == 0.0:
-        return float(num)
-    return float(num / den)
+    o, r = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    step = o.shape[0] if chunk_rows is None else max(1, chunk_rows)
+    num = torch.zeros((), dtype=torch.float64, device=out.device)
+    den = torch.zeros((), dtype=torch.float64, device=out.device)
+    for start in range(0, o.shape[0], step):
+        r64 = r[start : start + step].double()
+        num += (o[start : start + step].double() - r64).square().sum()
+        den += r64.square().sum()
+    num_f, den_f = float(num), float(den)
+    return math.sqrt(num_f / den_f) if den_f else math.sqrt(num_f)
 
 
 def select_rows(out: torch.Tensor, batch: PagedPrefillBatch, rows: list[torch.Tensor]) -> torch.Tensor:
