@@ -163,14 +163,15 @@ sanitize() {
     }
     "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small --seed "$SEED" ||
         return $?
-    local layout
-    for layout in ${ALT_GATHER:-row}; do
-        [[ "$PINGPONG" == 1 || "$PERSISTENT" == 1 || -n "$ALT_GATHER" ]] || break
-        echo "--- memcheck of the opt-in variants together (pingpong=$PINGPONG persistent=$PERSISTENT gather=$layout)"
-        env FPV2_HOPPER_PINGPONG="$PINGPONG" FPV2_HOPPER_PERSISTENT="$PERSISTENT" FPV2_HOPPER_GATHER="$layout" \
-            "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small \
-            --seed "$SEED" || return $?
-    done
+    if [[ "$PINGPONG" == 1 || "$PERSISTENT" == 1 || -n "$ALT_GATHER" ]]; then
+        local layout
+        for layout in ${ALT_GATHER:-row}; do  # one memcheck per gather layout, the switches on in each
+            echo "--- memcheck of the opt-in variants (pingpong=$PINGPONG persistent=$PERSISTENT gather=$layout)"
+            env FPV2_HOPPER_PINGPONG="$PINGPONG" FPV2_HOPPER_PERSISTENT="$PERSISTENT" FPV2_HOPPER_GATHER="$layout" \
+                "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small \
+                --seed "$SEED" || return $?
+        done
+    fi
     if [[ "${HOPPER_SKIP_RACECHECK:-0}" != 1 ]]; then
         echo "--- racecheck (informational: reported, not fatal)"
         "$sanitizer" --tool racecheck --racecheck-report all "$BUILD/fpv2_hopper_prefill_test" --mode small \
