@@ -54,3 +54,8 @@ def test_persistent_budget_is_its_own(tmp_path: Path) -> None:
 def test_a_log_without_the_kernel(tmp_path: Path) -> None:
     assert _run(tmp_path, "ninja: no work to do.\n").returncode == 1
     assert _run(tmp_path, "ninja: no work to do.\n", "--allow-missing").returncode == 0
+
+
+def test_a_missing_log_is_named(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "absent.log")], capture_output=True, text=True)
+    assert result.returncode == 1 and "cannot read the build log" in result.stdout and "absent.log" in result.stdout

@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("log", help="build output holding the ptxas -v report, or - for standard input")
     parser.add_argument("--allow-missing", action="store_true", help="pass when the log has no report")
     args = parser.parse_args(argv)
-    text = sys.stdin.read() if args.log == "-" else open(args.log, encoding="utf-8", errors="replace").read()
+    try:
+        text = sys.stdin.read() if args.log == "-" else open(args.log, encoding="utf-8", errors="replace").read()
+    except OSError as exc:
+        print(f"check_ptxas_report: cannot read the build log {args.log!r}: {exc.strerror}")
+        return 1
     reports = parse_reports(text)
     if not reports:
         print(
