@@ -35,6 +35,8 @@
 #                        ["warp shared"; empty: skip]
 #   HOPPER_PINGPONG      1: also check and time the FPV2_HOPPER_PINGPONG=1 schedule at page size 128 [1]
 #   HOPPER_PERSISTENT    1: also check and time FPV2_HOPPER_PERSISTENT=1 (persistent CTAs) at page size 128 [1]
+#   HOPPER_OVERLAP       1: also check and time FPV2_HOPPER_OVERLAP=1 (overlapped consumers) at every page of
+#                        HOPPER_PAGES, and memcheck it [1]
 #   HOPPER_SEED          input seed offset [seconds since the epoch, printed]
 #   HOPPER_SKIP_RACECHECK=1   skip the racecheck run
 #   CUOBJDUMP, COMPUTE_SANITIZER   tool paths [PATH, then /usr/local/cuda/bin]
@@ -57,6 +59,7 @@ PAGES="${HOPPER_PAGES:-128 1}"
 ALT_GATHER="${HOPPER_ALT_GATHER-warp shared}"
 PINGPONG="${HOPPER_PINGPONG:-1}"
 PERSISTENT="${HOPPER_PERSISTENT:-1}"
+OVERLAP="${HOPPER_OVERLAP:-1}"
 SEED="${HOPPER_SEED:-$(date +%s)}"
 START=$SECONDS
 FAILED=()
@@ -172,6 +175,11 @@ sanitize() {
                 --seed "$SEED" || return $?
         done
     fi
+    if [[ "$OVERLAP" == 1 ]]; then  # its own instantiation: memcheck it on its own
+        echo "--- memcheck of the overlapped consumers (FPV2_HOPPER_OVERLAP=1)"
+        env FPV2_HOPPER_OVERLAP=1 "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" \
+            --mode small --seed "$SEED" || return $?
+    fi
     if [[ "${HOPPER_SKIP_RACECHECK:-0}" != 1 ]]; then
         echo "--- racecheck (informational: reported, not fatal)"
         "$sanitizer" --tool racecheck --racecheck-report all "$BUILD/fpv2_hopper_prefill_test" --mode small \
@@ -217,6 +225,16 @@ main() {
                 "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
                 --keep "$KEEP" --page-size 128 --seed "$SEED"
         fi
+        if [[ "$OVERLAP" == 1 ]]; then
+            # Overlapped consumers (kernel variant selected by FPV2_HOPPER_OVERLAP=1): grid, then every page.
+            run_step "correctness overlap" 150 "$OUT/correctness.log" env FPV2_HOPPER_OVERLAP=1 \
+                "$BUILD/fpv2_hopper_prefill_test" --mode correctness --seed "$SEED"
+            for page in $PAGES; do
+                run_step "timing page=$page overlap" 120 "$OUT/timing.log" env FPV2_HOPPER_OVERLAP=1 \
+                    "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
+                    --keep "$KEEP" --page-size "$page" --seed "$SEED"
+            done
+        fi
         local layout
         for layout in $ALT_GATHER; do
             # An alternative gather layout (kernel variant selected by FPV2_HOPPER_GATHER): grid, then page 1.
@@ -243,6 +261,6 @@ main() {
 }
 
 export -f configure_and_build ptxas_and_sass sanitize find_tool
-export ROOT OUT BUILD JOBS SEED PINGPONG PERSISTENT ALT_GATHER
+export ROOT OUT BUILD JOBS SEED PINGPONG PERSISTENT OVERLAP ALT_GATHER
 main 2>&1 | tee "$OUT/hopper_check.log"
 exit "${PIPESTATUS[0]}"

@@ -10,7 +10,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_ptxas_report.py"
 
 _ENTRY = (
     "ptxas info    : Compiling entry function "
-    "'_ZN4fpv26hopper14prefill_kernelINS0_13PrefillTraitsILi128ELi2EEELb{flag}EEEvNS0_13PrefillParamsIT_EE' "
+    "'_ZN4fpv26hopper14prefill_kernelINS0_13PrefillTraitsILi128ELi2EEE"
+    "Lb{persistent}ELb{overlap}EEEvNS0_13PrefillParamsIT_EE' "
     "for 'sm_90a'\n"
     "ptxas info    : Function properties for _ZN4fpv26hopper14prefill_kernel...\n"
     "    {stack} bytes stack frame, {stores} bytes spill stores, {loads} bytes spill loads\n"
@@ -18,10 +19,12 @@ _ENTRY = (
 )
 
 
-def _report(default: tuple[int, int, int], persistent: tuple[int, int, int]) -> str:
+def _report(
+    default: tuple[int, int, int], persistent: tuple[int, int, int], overlap: tuple[int, int, int] = (8, 4, 4)
+) -> str:
     text = "[1/3] nvcc ...\n"
-    for flag, (stack, stores, loads) in ((0, default), (1, persistent)):
-        text += _ENTRY.format(flag=flag, stack=stack, stores=stores, loads=loads)
+    for flags, (stack, stores, loads) in (((0, 0), default), ((1, 0), persistent), ((0, 1), overlap)):
+        text += _ENTRY.format(persistent=flags[0], overlap=flags[1], stack=stack, stores=stores, loads=loads)
     return text + "ptxas info    : Compiling entry function '_ZN3fpv211other_kernelEv' for 'sm_90a'\n"
 
 
@@ -36,6 +39,7 @@ def test_the_measured_report_passes(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout
     assert "default instantiation: 8 B stack, 4 / 4" in result.stdout
     assert "persistent instantiation: 8 B stack, 12 / 12" in result.stdout
+    assert "overlap instantiation: 8 B stack, 4 / 4" in result.stdout
 
 
 def test_accumulators_in_local_memory_fail(tmp_path: Path) -> None:
@@ -49,6 +53,12 @@ def test_persistent_budget_is_its_own(tmp_path: Path) -> None:
     assert _run(tmp_path, _report((8, 4, 4), (8, 16, 16))).returncode == 0
     result = _run(tmp_path, _report((8, 4, 4), (8, 24, 24)))
     assert result.returncode == 1 and "(persistent)" in result.stdout
+
+
+def test_overlapped_consumers_have_the_default_budget(tmp_path: Path) -> None:
+    # Its flags are (persistent=0, overlap=1): it must not pass under the persistent budget.
+    result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12), overlap=(8, 12, 12)))
+    assert result.returncode == 1 and "(overlapped consumers)" in result.stdout
 
 
 def test_a_log_without_the_kernel(tmp_path: Path) -> None:

@@ -599,6 +599,20 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_PERSISTENT=true" in _last_error()
     monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "0")
+    monkeypatch.setenv("FPV2_HOPPER_OVERLAP", "on")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "FPV2_HOPPER_OVERLAP=on" in _last_error()
+    # The overlapped consumers are a separate instantiation without the pingpong turns: asking for both is
+    # refused, not half-served.
+    monkeypatch.setenv("FPV2_HOPPER_OVERLAP", "1")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "FPV2_HOPPER_OVERLAP=1 cannot be combined with FPV2_HOPPER_PINGPONG=1" in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_PINGPONG", "0")
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "1")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "cannot be combined with FPV2_HOPPER_PERSISTENT=1" in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "0")
+    monkeypatch.setenv("FPV2_HOPPER_OVERLAP", "0")
     monkeypatch.setenv("FPV2_HOPPER_REQUEST_MAJOR", "yes")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_REQUEST_MAJOR=yes" in _last_error()

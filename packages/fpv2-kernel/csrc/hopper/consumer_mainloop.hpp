@@ -12,13 +12,15 @@
 // The kept blocks are split into a masked loop and an unmasked loop so that the steady state carries no
 // mask; in sparse mode the next block id is read one iteration ahead.
 //
-// Not yet here (next steps of issue 5): intra-warpgroup overlap (QK of block n-1 issued before the
-// softmax of block n, one wgmma batch kept in flight) and the inter-warpgroup scheduling barrier that
-// lets one warpgroup's softmax hide under the other's GEMMs; a persistent tile scheduler.
+// Overlapped schedule (kOverlap, FPV2_HOPPER_OVERLAP=1): the PV product of KV tile n-1 is issued right
+// after the QK product of tile n and stays in flight while the softmax of tile n runs, so the tensor cores
+// are busy during the exp2 work; the output is rescaled once that PV product is waited for. P of tile n-1
+// stays in registers for one iteration (K and V stages are released one tile apart).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/detail/helper_macros.hpp>
 #include <cutlass/numeric_conversion.h>
 
 #include "hopper/block_schedule.hpp"
@@ -41,9 +43,60 @@ struct ConsumerMainloop {
   using TileS = cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<Traits::kBlockN>>;
   using TileO = cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<Traits::kHeadDim>>;
 
+  // Visits the tile's schedule in order: the masked kept blocks (mode 1), the unmasked ones (mode 0), then
+  // the pooled tiles (mode 2), each with visit(n, Int<mode>), from kept position `i` and pooled tile `c` on.
+  // Forced inline like run(): as a call, the accumulators the visitor updates would go to local memory.
+  template <class Geometry, class Visit>
+  __device__ __forceinline__ static void walk_schedule_from(BlockSchedule const& schedule, Geometry const& tile,
+                                                            int i, int c, Visit&& visit) {
+    const int num_kept = schedule.num_kept;
+    int n_next = i < num_kept ? schedule.block(i) : 0;
+    CUTE_NO_UNROLL
+    for (; i < num_kept && n_next >= tile.n_block_masked; ++i) {
+      const int n = n_next;
+      n_next = i + 1 < num_kept ? schedule.block(i + 1) : 0;
+      visit(n, cute::Int<1>{});
+    }
+    CUTE_NO_UNROLL
+    for (; i < num_kept; ++i) {
+      const int n = n_next;
+      n_next = i + 1 < num_kept ? schedule.block(i + 1) : 0;
+      visit(n, cute::Int<0>{});
+    }
+    CUTE_NO_UNROLL
+    for (; c < schedule.num_correction; ++c) {
+      visit(c, cute::Int<2>{});
+    }
+  }
+
+  // The same walk with its first KV tile peeled off and given to first(n, Int<mode>): a visitor whose state
+  // carries from one tile to the next (the overlapped schedule's pending PV product) then starts every
+  // tile after the first in the same state, with no runtime flag that ptxas would have to correlate.
+  // Returns whether any tile was visited.
+  template <class Geometry, class First, class Visit>
+  __device__ __forceinline__ static bool walk_schedule_peeled(BlockSchedule const& schedule, Geometry const& tile,
+                                                              First&& first, Visit&& visit) {
+    if (schedule.num_kept > 0) {
+      const int n = schedule.block(0);
+      if (n >= tile.n_block_masked) {
+        first(n, cute::Int<1>{});
+      } else {
+        first(n, cute::Int<0>{});
+      }
+      walk_schedule_from(schedule, tile, 1, 0, visit);
+      return true;
+    }
+    if (schedule.num_correction > 0) {
+      first(0, cute::Int<2>{});
+      walk_schedule_from(schedule, tile, 0, 1, visit);
+      return true;
+    }
+    return false;
+  }
+
   // Always inlined into the kernel: left to the inliner, a small change elsewhere in the kernel (one more
   // branch in the tile order) made it a call whose output accumulators ptxas put in local memory.
-  template <class Params, class Geometry, class Storage>
+  template <bool kOverlap, class Params, class Geometry, class Storage>
   __device__ __forceinline__ static void run(Params const& params, Geometry const& tile, Storage& smem,
                                              int consumer_thread, typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
@@ -111,7 +164,7 @@ struct ConsumerMainloop {
     // hand-over of warpgroup 1 is skipped, so every barrier sees as many arrivals as waits.
     const int num_stages = schedule.num_stages();
     int stage_index = 0;
-    auto process_tile = [&](int n, auto mode) {
+    auto process_tile = [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
       constexpr int kMode = decltype(mode)::value;
       pipeline_k.consumer_wait(state);
       if (params.gather) {
@@ -162,24 +215,94 @@ struct ConsumerMainloop {
       ++stage_index;
     };
 
-    const int num_kept = schedule.num_kept;
-    int i = 0;
-    int n_next = num_kept > 0 ? schedule.block(0) : 0;
-    CUTE_NO_UNROLL
-    for (; i < num_kept && n_next >= tile.n_block_masked; ++i) {
-      const int n = n_next;
-      n_next = i + 1 < num_kept ? schedule.block(i + 1) : 0;
-      process_tile(n, cute::Int<1>{});
-    }
-    CUTE_NO_UNROLL
-    for (; i < num_kept; ++i) {
-      const int n = n_next;
-      n_next = i + 1 < num_kept ? schedule.block(i + 1) : 0;
-      process_tile(n, cute::Int<0>{});
-    }
-    CUTE_NO_UNROLL
-    for (int c = 0; c < schedule.num_correction; ++c) {
-      process_tile(c, cute::Int<2>{});
+    if constexpr (!kOverlap) {
+      walk_schedule_from(schedule, tile, 0, 0, process_tile);
+    } else {
+      // V rows of tile n that must be zeroed before its PV product (kBlockN: none), as process_tile does.
+      auto valid_value_rows = [&](int n, auto mode) {
+        constexpr int kMode = decltype(mode)::value;
+        if constexpr (kMode == 1) {
+          return tile.is_partial_tail_block(n) ? tile.seqlen_k - n * Traits::kBlockN : Traits::kBlockN;
+        } else if constexpr (kMode == 2) {
+          const int eligible_rows = tile.n_block_masked - n * Traits::kBlockN;
+          return eligible_rows < Traits::kBlockN ? eligible_rows : Traits::kBlockN;
+        } else {
+          return Traits::kBlockN;
+        }
+      };
+      cutlass::Array<Element, kScores> p_pending;  // P of the tile whose PV product is next
+      Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_pending.data()), PFragmentLayout{});
+      auto v_state = state;  // the V stage of that tile (K runs one tile ahead)
+      int pending_rows = Traits::kBlockN;
+      auto issue_pending_pv = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        pipeline_v.consumer_wait(v_state);
+        if (params.gather) {
+          cutlass::arch::fence_view_async_shared();
+        }
+        if (pending_rows < Traits::kBlockN) {
+          ValueTailGuard<Traits>::clear(sVt, v_state.stage, pending_rows, consumer_thread);
+        }
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, v_state.stage), tOrO);
+      };
+      auto retire_pending_pv = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
+        pipeline_v.consumer_release(v_state);
+        v_state.advance();
+      };
+      // QK of tile n (issued by the caller) is done: release its K stage, mask its scores.
+      auto finish_scores = [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
+        constexpr int kMode = decltype(mode)::value;
+        warpgroup_fence_operand(tSrS);
+        pipeline_k.consumer_release(state);
+        state.advance();
+        if constexpr (kMode == 1) {
+          mask.apply(tSrS_rc, tScS_rc, n);
+        } else if constexpr (kMode == 2) {
+          CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_lengths, log2_to_raw, tile.n_block_masked,
+                                        n);
+        }
+      };
+      auto issue_scores = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        pipeline_k.consumer_wait(state);
+        if (params.gather) {
+          cutlass::arch::fence_view_async_shared();
+        }
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state.stage), tSrS);
+      };
+      auto keep_probabilities = [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
+        cutlass::NumericArrayConverter<Element, float, kScores> to_bf16;
+        p_pending = to_bf16(*reinterpret_cast<cutlass::Array<float, kScores> const*>(tSrS.data()));
+        pending_rows = valid_value_rows(n, mode);
+      };
+      // Lambdas forced inline: left to the inliner, the unmasked-block instance became a call (a 1168-byte
+      // stack frame).
+      const bool visited = walk_schedule_peeled(
+          schedule, tile,
+          [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
+            issue_scores();
+            warpgroup_wait<0>();
+            finish_scores(n, mode);
+            float factors[kRows];
+            softmax.rescale_scores(tSrS_rc, factors);  // O is still zero: nothing to rescale
+            keep_probabilities(n, mode);
+          },
+          [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
+            issue_scores();
+            issue_pending_pv();
+            warpgroup_wait<1>();  // the QK batch (issued first) is done, the PV batch may still run
+            finish_scores(n, mode);
+            float factors[kRows];
+            softmax.rescale_scores(tSrS_rc, factors);
+            retire_pending_pv();
+            softmax.rescale_output(tOrO_rc, factors);
+            keep_probabilities(n, mode);
+          });
+      if (visited) {
+        issue_pending_pv();
+        retire_pending_pv();
+      }
     }
 
     float lse[kRows];

@@ -62,11 +62,14 @@ struct CorrectionMask {
                                                int n_block_masked, int pooled_tile) {
     using namespace cute;
     const int first = pooled_tile * Traits::kBlockN;
+    const float full_shift = __log2f(float(Traits::kBlockN)) * log2_to_raw;
     CUTE_UNROLL
     for (int j = 0; j < size<1>(scores_rc); ++j) {
       const int block = first + int(get<1>(coords_rc(0, j)));
       const int length = block < n_block_masked ? int(table.length[block]) : 0;
-      const float shift = __log2f(float(length)) * log2_to_raw;  // lg2(0) = -inf
+      // Eligible blocks are full in practice (a shorter block is a request's last one, the diagonal block of
+      // the tiles that see it whole): skip the lg2 for them, the same value bit for bit.
+      const float shift = length == Traits::kBlockN ? full_shift : __log2f(float(length)) * log2_to_raw;
       CUTE_UNROLL
       for (int i = 0; i < size<0>(scores_rc); ++i) {
         scores_rc(i, j) = length == 0 ? -INFINITY : scores_rc(i, j) + shift;

@@ -152,8 +152,8 @@ int32_t gather_layout_from_environment(int32_t* layout) {
 }
 
 // An on/off kernel variant from the environment (FPV2_HOPPER_PINGPONG, FPV2_HOPPER_PERSISTENT,
-// FPV2_HOPPER_REQUEST_MAJOR): unset or "" is `default_on`, "0" is off, "1" is on; kept for A/B runs on the
-// device (measured: NOTES.md, 2026-12-01).
+// FPV2_HOPPER_OVERLAP, FPV2_HOPPER_REQUEST_MAJOR): unset or "" is `default_on`, "0" is off, "1" is on; kept
+// for A/B runs on the device (measured: NOTES.md, 2026-12-01).
 int32_t switch_from_environment(const char* name, int32_t default_on, int32_t* on) {
   const char* value = std::getenv(name);
   if (value == nullptr || *value == '\0') {
@@ -248,9 +248,17 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
 
   int32_t gather_layout = 1;
   FPV2_RETURN_IF_ERROR(gather_layout_from_environment(&gather_layout));
-  int32_t pingpong = 0, persistent = 0;
+  int32_t pingpong = 0, persistent = 0, overlap = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PINGPONG", 0, &pingpong));
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PERSISTENT", 0, &persistent));
+  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_OVERLAP", 0, &overlap));
+  // The overlapped consumers are their own instantiation, without the turn barriers of the pingpong schedule
+  // and one CTA per tile: refuse the combinations rather than run something other than what was asked.
+  if (overlap && (pingpong || persistent)) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("environment FPV2_HOPPER_OVERLAP=1 cannot be combined with FPV2_HOPPER_%s=1",
+                       pingpong ? "PINGPONG" : "PERSISTENT"));
+  }
   // Request-major tile order by default: 4 x 128K dense 1269 -> 1027 ms, sparse + correction 59.2 -> 56.2 ms.
   int32_t request_major = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_REQUEST_MAJOR", 1, &request_major));
@@ -293,6 +301,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   plan.gather_layout = gather_layout;
   plan.pingpong = pingpong;
   plan.persistent = persistent;
+  plan.overlap = overlap;
   plan.request_major = request_major;
   if (args.index != nullptr) {
     plan.index_offsets = static_cast<const int32_t*>(args.index->offsets.data);

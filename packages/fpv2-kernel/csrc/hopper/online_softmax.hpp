@@ -49,8 +49,17 @@ struct OnlineSoftmax {
   // the scores become unnormalised probabilities in place and the output rows are rescaled.
   template <class ScoresRowsCols, class OutRowsCols>
   __device__ __forceinline__ void step(ScoresRowsCols& s, OutRowsCols& o) {
-    static_assert(decltype(cute::size<0>(s))::value == kRows && decltype(cute::size<0>(o))::value == kRows,
-                  "scores and output share the thread's rows");
+    float factors[kRows];
+    rescale_scores(s, factors);
+    rescale_output(o, factors);
+  }
+
+  // The first half of step(): updates the running maximum and sum from one block of scores, turns the scores
+  // into unnormalised probabilities and returns each row's factor for the output. Split from the output
+  // rescale so that the overlapped schedule can run it while the previous block's PV product is in flight.
+  template <class ScoresRowsCols>
+  __device__ __forceinline__ void rescale_scores(ScoresRowsCols& s, float (&factors)[kRows]) {
+    static_assert(decltype(cute::size<0>(s))::value == kRows, "one running state per row of the scores");
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
       float block_max = row_max[i];
@@ -71,9 +80,19 @@ struct OnlineSoftmax {
         block_sum += p;
       }
       row_sum[i] = fmaf(row_sum[i], correction, block_sum);
+      factors[i] = correction;
+    }
+  }
+
+  // The second half of step(): the output rows times their factors.
+  template <class OutRowsCols>
+  __device__ __forceinline__ void rescale_output(OutRowsCols& o, float const (&factors)[kRows]) {
+    static_assert(decltype(cute::size<0>(o))::value == kRows, "scores and output share the thread's rows");
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
       CUTE_UNROLL
       for (int j = 0; j < cute::size<1>(o); ++j) {
-        o(i, j) *= correction;
+        o(i, j) *= factors[i];
       }
     }
   }

@@ -13,8 +13,11 @@
 // walks the tiles in the same order, so the producer fills the next tile's stages while the consumers
 // finish the current one.
 //
+// Overlapped consumers (opt-in, FPV2_HOPPER_OVERLAP=1; consumer_mainloop.hpp): a third instantiation,
+// one CTA per tile.
+//
 // Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
-// split-KV, intra-warpgroup overlap, head dims 64 and 256, FP8.
+// split-KV, head dims 64 and 256, FP8.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +46,7 @@
 
 namespace fpv2::hopper {
 
-template <class Traits, bool kPersistent>
+template <class Traits, bool kPersistent, bool kOverlap>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
   using Storage = PrefillSharedStorage<Traits>;
@@ -129,10 +132,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       const int num_tiles = params.num_m_blocks * heads_x_requests;
       for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) {
         const Geometry tile = tile_at(index);
-        if (tile.valid()) ConsumerMainloop<Traits>::run(params, tile, smem, consumer_thread, state);
+        if (tile.valid()) ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state);
       }
     } else {
-      ConsumerMainloop<Traits>::run(params, tile_at(int(blockIdx.x)), smem, consumer_thread, state);
+      ConsumerMainloop<Traits>::template run<kOverlap>(params, tile_at(int(blockIdx.x)), smem, consumer_thread,
+                                                     state);
     }
   }
 }

@@ -134,7 +134,9 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       plan.request_major,
   };
 
-  auto kernel = persistent ? prefill_kernel<Traits, true> : prefill_kernel<Traits, false>;
+  auto kernel = persistent      ? prefill_kernel<Traits, true, false>
+                : plan.overlap ? prefill_kernel<Traits, false, true>
+                               : prefill_kernel<Traits, false, false>;
   const int smem_bytes = static_cast<int>(prefill_smem_bytes<Traits>());
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) {

@@ -422,15 +422,17 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const int pingpong_on = pingpong != nullptr && std::strcmp(pingpong, "1") == 0;
       const char* persistent = std::getenv("FPV2_HOPPER_PERSISTENT");
       const int persistent_on = persistent != nullptr && std::strcmp(persistent, "1") == 0;
+      const char* overlap = std::getenv("FPV2_HOPPER_OVERLAP");
+      const int overlap_on = overlap != nullptr && std::strcmp(overlap, "1") == 0;
       const char* request_major = std::getenv("FPV2_HOPPER_REQUEST_MAJOR");
       const int request_major_on = !(request_major != nullptr && std::strcmp(request_major, "0") == 0);
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
-      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"request_major\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
+      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
                   "\"d\": 128, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "
                   "\"correction_overhead\": %.4f, \"repeats\": %d, \"sample_max_abs_err\": %.4e, "
                   "\"sample_rel_rms\": %.4e}\n",
-                  impl, kv_path.c_str(), pingpong_on, persistent_on, request_major_on, batch, L, page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
+                  impl, kv_path.c_str(), pingpong_on, persistent_on, overlap_on, request_major_on, batch, L, page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
                   st.max_abs_err, rel_rms);
       failures += sample_ok ? 0 : 1;
     }
