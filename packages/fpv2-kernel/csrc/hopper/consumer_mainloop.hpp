@@ -12,7 +12,7 @@
 // The kept blocks are split into a masked loop and an unmasked loop so that the steady state carries no
 // mask; in sparse mode the next block id is read one iteration ahead.
 //
-// Overlapped schedule (kOverlap, FPV2_HOPPER_OVERLAP=1): the PV product of KV tile n-1 is issued right
+// Overlapped schedule (kOverlap, the default; FPV2_HOPPER_OVERLAP=0 turns it off): the PV product of KV tile n-1 is issued right
 // after the QK product of tile n and stays in flight while the softmax of tile n runs, so the tensor cores
 // are busy during the exp2 work; the output is rescaled once that PV product is waited for. P of tile n-1
 // stays in registers for one iteration (K and V stages are released one tile apart).

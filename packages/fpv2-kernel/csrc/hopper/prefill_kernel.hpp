@@ -13,8 +13,8 @@
 // walks the tiles in the same order, so the producer fills the next tile's stages while the consumers
 // finish the current one.
 //
-// Overlapped consumers (opt-in, FPV2_HOPPER_OVERLAP=1; consumer_mainloop.hpp): a third instantiation,
-// one CTA per tile.
+// Overlapped consumers (the default; FPV2_HOPPER_OVERLAP=0 turns them off; consumer_mainloop.hpp): a third
+// instantiation, one CTA per tile.
 //
 // Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
 // split-KV, head dims 64 and 256, FP8.

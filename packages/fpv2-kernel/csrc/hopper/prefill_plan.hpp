@@ -62,7 +62,7 @@ struct PrefillPlan {
   int32_t gather_layout;
   int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (measured, not faster)
   int32_t persistent;  // FPV2_HOPPER_PERSISTENT: 0 (default) or 1 (measured, slower in dense mode)
-  int32_t overlap;     // FPV2_HOPPER_OVERLAP: 0 (default) or 1 (PV of tile n-1 in flight during softmax n)
+  int32_t overlap;     // FPV2_HOPPER_OVERLAP: 1 (default) or 0; PV of tile n-1 in flight during softmax n
   int32_t request_major;  // FPV2_HOPPER_REQUEST_MAJOR: 1 (default) or 0; tile order, see PrefillParams
 };
 

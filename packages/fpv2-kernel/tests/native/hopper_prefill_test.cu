@@ -423,7 +423,9 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const char* persistent = std::getenv("FPV2_HOPPER_PERSISTENT");
       const int persistent_on = persistent != nullptr && std::strcmp(persistent, "1") == 0;
       const char* overlap = std::getenv("FPV2_HOPPER_OVERLAP");
-      const int overlap_on = overlap != nullptr && std::strcmp(overlap, "1") == 0;
+      // The launcher's rule: on unless set to 0, or unset while pingpong or persistent CTAs are asked for.
+      const int overlap_on = overlap != nullptr && *overlap != '\0' ? std::strcmp(overlap, "1") == 0
+                                                                     : !(pingpong_on || persistent_on);
       const char* request_major = std::getenv("FPV2_HOPPER_REQUEST_MAJOR");
       const int request_major_on = !(request_major != nullptr && std::strcmp(request_major, "0") == 0);
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
