@@ -5,8 +5,9 @@ times (median of ``--repeats`` CUDA-event runs after ``--warmup``):
 
 - ``pool``: :func:`fpv2.index.triton.pool_blocks_triton` of K and V (what the
   pipeline pools once for the index and the correction);
-- ``select``: :func:`fpv2.index.triton.select_blocks_triton` (key preparation,
-  fused scoring + selection, prefix sum, compaction) on those statistics;
+- ``select``: :func:`fpv2.index.triton.select_blocks_triton` (fused scoring +
+  selection with the counts' prefix sum, compaction; the scoring copy of the keys
+  comes from the pooling) on those statistics;
 - ``index``: both back to back, the issue's "index time"; also as a CUDA graph
   replay (GPU time without host launch overhead) and the host time to enqueue
   one call;
@@ -388,7 +389,11 @@ def host_profile(w: object, config: SelectionConfig, device: torch.device, calls
 
 
 def launch_overheads(device: torch.device, calls: int = 200) -> dict[str, float]:
-    """Median host microseconds to issue one small Triton kernel, one torch op and one allocation (GPU idle)."""
+    """Median host microseconds to issue one small Triton kernel, one torch op and one allocation (GPU idle).
+
+    The Triton launch goes through :class:`fpv2.index.triton.launcher.Relauncher` (direct relaunch after the
+    first call), like every index kernel; ``FPV2_TRITON_RELAUNCH=0`` measures ``JITFunction.run`` instead.
+    """
     from fpv2.index.triton.scoring import DOT_BF16, launch_prepare_keys
 
     x = torch.randn(64, 8, 128, device=device)

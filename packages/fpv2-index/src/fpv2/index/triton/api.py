@@ -9,18 +9,27 @@ the :class:`~fpv2.kernel.BlockIndex` contract lets it carry that spare
 capacity; ``exact_nnz=True`` trims it at the price of one 4-byte read of
 ``offsets[-1]``.
 
-Launches: pooling is one kernel (it writes ``block_offsets`` too); selection
-is four: the key preparation (scale and cast), the fused scoring/selection
-kernel (which also writes ``tile_offsets`` and ``offsets[0]``), a device
-prefix sum of the counts, and the compaction. Nothing is zero-filled.
+Launches: pooling is one kernel (it writes ``block_offsets`` and the scoring
+copy of the pooled keys too, :mod:`.prepared_keys`); selection is two: the
+fused scoring/selection kernel (which also writes ``tile_offsets`` and all of
+``offsets``, its last program scanning the counts) and the compaction. A third
+one, the key preparation, runs only when the statistics carry no matching
+scoring copy (another softmax scale or query dtype than pooling expected, or
+statistics not pooled by :func:`pool_blocks_triton`). Nothing is zero-filled.
+Launches go through :class:`~.launcher.Relauncher`, which relaunches a
+compiled kernel without ``JITFunction.run``'s per-call bookkeeping.
+
+Memory: each function's outputs are fresh tensors on every call (callers keep
+statistics and indices across calls, so nothing returned is ever overwritten
+by a later call), carved from one allocation per call (:mod:`.outputs`);
+scratch comes from the :class:`IndexWorkspace`, which a repeated call at the
+same shape reuses without allocating.
 
 Both run on CUDA tensors, or on CPU tensors under the Triton interpreter
 (``TRITON_INTERPRET=1``, for tests).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -37,27 +46,21 @@ from fpv2.kernel.contracts import (
 from ..config import SelectionConfig
 from . import tuning
 from .compaction import launch_compact
+from .launcher import interpreter_enabled
+from .outputs import fresh_outputs
 from .pooling import launch_pool
-from .scoring import (
-    DOT_BF16,
-    DOT_FP16,
-    DOT_FP32,
-    LOG2E,
-    launch_prepare_keys,
-    launch_score_select,
-    num_units,
-    score_rows,
+from .prepared_keys import (
+    DOT_DTYPES,
+    PreparedKeys,
+    TritonBlockStatistics,
+    dot_kind,
+    logit_scale_log2,
+    matching_keys,
 )
+from .scoring import launch_prepare_keys, launch_score_select, num_units, score_rows
 from .workspace import IndexWorkspace
 
-
-def interpreter_enabled() -> bool:
-    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``).
-
-    Returns:
-        True when the environment variable is set to a true value.
-    """
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+__all__ = ["capacity_bound", "interpreter_enabled", "pool_blocks_triton", "select_blocks_triton"]
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -128,13 +131,21 @@ def pool_blocks_triton(
     block_size: int = 128,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
-) -> BlockStatistics:
+    query_dtype: torch.dtype | None = None,
+    softmax_scale: float | None = None,
+) -> TritonBlockStatistics:
     """Mean-pool every key block (and value block) of every request, straight from the paged cache.
 
     Block ``J`` of request ``b`` averages its valid tokens (the tail block over
     its real length), accumulated in fp32, after the FP8 descale of its
     (request, KV head). Same result as :func:`fpv2.kernel.reference.pooling.pool_blocks`.
-    One kernel launch (it also writes ``block_offsets``); no host sync beyond ``batch.host``.
+    One kernel launch (it also writes ``block_offsets`` and the scoring copy of the keys);
+    no host sync beyond ``batch.host``. The outputs are fresh tensors sharing one allocation.
+
+    The scoring copy (:mod:`.prepared_keys`) is what :func:`select_blocks_triton`
+    would otherwise compute in a launch of its own, made for a selection with
+    ``softmax_scale`` and queries of ``query_dtype``; a selection with other
+    values prepares its own keys (same index either way).
 
     Args:
         k_cache: ``(num_pages, page_size, Hkv, d)`` key cache (fp16, bf16, fp32 or float8_e4m3fn).
@@ -143,10 +154,13 @@ def pool_blocks_triton(
         block_size: tokens per key block (a power of two).
         k_descale: ``(B, Hkv) float32`` key descales, required for FP8 caches, refused otherwise.
         v_descale: ``(B, Hkv) float32`` value descales, required for an FP8 ``v_cache``.
+        query_dtype: dtype of the queries the selection will score (None: the cache's dtype).
+        softmax_scale: the selection's ``SelectionConfig.softmax_scale`` (None: ``1 / sqrt(d)``).
 
     Returns:
-        :class:`~fpv2.kernel.BlockStatistics` with ``pooled_k`` (and ``pooled_v``) of shape
-        ``(total_blocks, Hkv, d) float32``, ``block_lengths``, ``block_offsets`` and ``block_size``.
+        :class:`~.prepared_keys.TritonBlockStatistics` (a :class:`~fpv2.kernel.BlockStatistics`) with
+        ``pooled_k`` (and ``pooled_v``) of shape ``(total_blocks, Hkv, d) float32``, ``block_lengths``,
+        ``block_offsets``, ``block_size`` and the scoring copy in ``prepared_keys``.
 
     Raises:
         TypeError: an argument has the wrong type or dtype.
@@ -168,8 +182,18 @@ def pool_blocks_triton(
     v_descale = _check_descale(
         "v_descale", v_descale, needed=fp8 and v_cache is not None, fp8=fp8, batch=batch, num_kv_heads=heads
     )
+    if query_dtype is None:
+        query_dtype = k_cache.dtype
+    elif query_dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"query_dtype must be one of {ACTIVATION_DTYPES}, got {query_dtype!r}")
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
+    ):
+        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    kind = dot_kind(query_dtype, interpreter_enabled())
+    key_scale = logit_scale_log2(softmax_scale, k_cache.shape[3])
     total = sum(num_key_blocks(k, block_size) for k in batch.host.seqlens_k)
-    pooled_k, pooled_v, lengths, block_offsets = launch_pool(
+    pooled_k, pooled_v, keys, lengths, block_offsets = launch_pool(
         k_cache,
         v_cache,
         seqlens_k=batch.seqlens_k,
@@ -179,8 +203,11 @@ def pool_blocks_triton(
         block_size=block_size,
         k_descale=k_descale,
         v_descale=v_descale if v_cache is not None else None,
+        key_dtype=DOT_DTYPES[kind],
+        key_scale=key_scale,
     )
-    return BlockStatistics(pooled_k, pooled_v, lengths, block_offsets, block_size)
+    prepared = PreparedKeys(keys, pooled_k, pooled_k._version, key_scale, kind)
+    return TritonBlockStatistics(pooled_k, pooled_v, lengths, block_offsets, block_size, prepared_keys=prepared)
 
 
 def _check_selection(
@@ -240,15 +267,6 @@ def _check_selection(
     return q, statistics, config, q_descale
 
 
-def _dot_kind(dtype: torch.dtype) -> int:
-    """Operand type of the scoring dot for queries of ``dtype`` (see :mod:`.scoring`)."""
-    if dtype == torch.float32:
-        return DOT_FP32
-    if dtype == torch.bfloat16:
-        return DOT_FP32 if interpreter_enabled() else DOT_BF16
-    return DOT_FP16  # fp16, and float8_e4m3fn upcast exactly
-
-
 def capacity_bound(batch: PagedPrefillBatch, group: int, tile_size: int, block_size: int) -> int:
     """An upper bound on the causally visible (tile, block) pairs per KV head, from host values in O(B).
 
@@ -290,14 +308,20 @@ def select_blocks_triton(
 ) -> BlockIndex:
     """Fused max-threshold selection: the same index as :func:`fpv2.index.reference.select_blocks`.
 
-    The pooled keys are prescaled to log2 logit units and cast to the dot dtype
-    (one small kernel); one persistent Triton kernel scores every (request, KV
-    head, tile) segment in a single pass over its candidate pooled keys and
-    writes keep bits and counts (see :mod:`fpv2.index.triton.scoring`);
-    ``offsets`` is a device prefix sum of the counts and a last kernel writes the
-    ascending block ids
-    (:mod:`fpv2.index.triton.compaction`). Results equal the reference except for
-    blocks whose energy ratio lies within rounding of ``alpha``.
+    The pooled keys, prescaled to log2 logit units and cast to the dot dtype,
+    come from the statistics when :func:`pool_blocks_triton` made them for this
+    scale and query dtype (:mod:`fpv2.index.triton.prepared_keys`), else from one
+    small kernel; one persistent Triton kernel scores every (request, KV head,
+    tile) segment in a single pass over its candidate pooled keys, writes keep
+    bits and counts and, in its last program, ``offsets`` as the prefix sum of
+    the counts (see :mod:`fpv2.index.triton.scoring`); a last kernel writes the
+    ascending block ids (:mod:`fpv2.index.triton.compaction`). Results equal the
+    reference except for blocks whose energy ratio lies within rounding of ``alpha``.
+
+    Memory: the returned index's tensors are fresh on every call (one allocation
+    for all three; never aliased with an earlier call's result, so a kept index
+    stays valid); all scratch is in ``workspace``, and a call at the same shape as
+    the workspace's previous call allocates no scratch and creates no new views.
 
     Args:
         q: ``(total_q, Hq, d)`` packed queries (fp16, bf16, fp32 or float8_e4m3fn), unit stride in ``d``.
@@ -308,7 +332,8 @@ def select_blocks_triton(
         q_descale: ``(B, Hkv) float32`` query descales, required for FP8 queries, refused otherwise.
         k_descale: ``(B, Hkv) float32`` key descales, accepted with FP8 queries and checked but not
             applied: the statistics are already dequantised (as in the reference).
-        workspace: scratch reused across calls; None allocates a fresh one for this call.
+        workspace: scratch reused across calls, one per CUDA stream (calls on one stream are ordered);
+            None allocates a fresh one for this call.
         exact_nnz: size ``blocks`` exactly, which reads ``offsets[-1]`` on the host (one 4-byte sync).
             With False (the default) there is no host sync: ``blocks`` has room for every causally
             visible (tile, block) pair (:func:`capacity_bound`), its first ``offsets[-1]`` entries are
@@ -338,16 +363,24 @@ def select_blocks_triton(
     tiles = [num_query_tiles(n, group, tile_size) for n in host.q_lens]
     num_segments = heads * sum(tiles)
     max_blocks = max((num_key_blocks(k, block_size) for k in host.seqlens_k), default=0)
-    tile_offsets = torch.empty(batch.num_requests + 1, dtype=torch.int32, device=device)
-    offsets = torch.empty(num_segments + 1, dtype=torch.int32, device=device)
+    num_requests = batch.num_requests
+    parts = [((num_requests + 1,), torch.int32), ((num_segments + 1,), torch.int32)]
+    if not exact_nnz:  # blocks sized by the host bound: one allocation for the whole index
+        parts.append(((heads * capacity_bound(batch, group, tile_size, block_size),), torch.int32))
+    outs = fresh_outputs(device, parts)
+    tile_offsets, offsets = outs[0], outs[1]
     if num_segments == 0:  # no query tiles: nothing to launch (the kernel would write these)
         tile_offsets.zero_()
         offsets.zero_()
         return BlockIndex(
             offsets, offsets.new_empty(0), tile_offsets, heads, group, tile_size, block_size, check_values=False
         )
-    dot_kind = _dot_kind(q.dtype)
-    keys = launch_prepare_keys(statistics.pooled_k, config.scale_for(q.shape[2]) * LOG2E, dot_kind)
+    interpret = interpreter_enabled()
+    kind = dot_kind(q.dtype, interpret)
+    scale_log2 = logit_scale_log2(config.softmax_scale, q.shape[2])
+    keys = matching_keys(statistics, scale_log2, kind)
+    if keys is None:
+        keys = launch_prepare_keys(statistics.pooled_k, scale_log2, kind)
     knobs = tuning.SCORE  # read once: the work split, the grid, the workspace and the launch must agree
     total_units = num_units(tiles, knobs.tiles_per_program)
     num_programs = workspace.num_programs(
@@ -360,37 +393,38 @@ def select_blocks_triton(
         device=device,
         tiles_per_program=knobs.tiles_per_program,
     )
-    launch_score_select(
-        q,
-        keys,
-        q_descale=q_descale,
-        cu_seqlens_q=batch.cu_seqlens_q,
-        seqlens_k=batch.seqlens_k,
-        block_offsets=statistics.block_offsets,
-        tile_offsets=tile_offsets,
-        offsets=offsets,
-        views=views,
-        total_units=total_units,
-        num_programs=num_programs,
-        group=group,
-        alpha=config.alpha,
-        tile_size=tile_size,
-        block_size=block_size,
-        probe_stride=config.probe_stride,
-        sink_tokens=config.sink_tokens,
-        window_tokens=config.window_tokens,
-        dense_tail_tiles=config.dense_tail_tiles,
-        min_sparse_kv_len=config.min_sparse_kv_len,
-        dot_kind=dot_kind,
-        interpret=interpreter_enabled(),
-        knobs=knobs,
-    )
-    torch.cumsum(views.counts, dim=0, dtype=torch.int32, out=offsets[1:])
+    try:
+        launch_score_select(
+            q,
+            keys,
+            q_descale=q_descale,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            seqlens_k=batch.seqlens_k,
+            block_offsets=statistics.block_offsets,
+            tile_offsets=tile_offsets,
+            offsets=offsets,
+            views=views,
+            total_units=total_units,
+            num_programs=num_programs,
+            group=group,
+            alpha=config.alpha,
+            tile_size=tile_size,
+            block_size=block_size,
+            probe_stride=config.probe_stride,
+            sink_tokens=config.sink_tokens,
+            window_tokens=config.window_tokens,
+            dense_tail_tiles=config.dense_tail_tiles,
+            min_sparse_kv_len=config.min_sparse_kv_len,
+            dot_kind=kind,
+            interpret=interpret,
+            knobs=knobs,
+        )
+    except BaseException:
+        workspace.reset_counter()  # a kernel that stopped part way may have left the counter counting
+        raise
     if exact_nnz:
         blocks = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)  # the one documented sync
     else:
-        blocks = torch.empty(
-            heads * capacity_bound(batch, group, tile_size, block_size), dtype=torch.int32, device=device
-        )
+        blocks = outs[2]
     launch_compact(views.keep_bits, offsets, blocks)
     return BlockIndex(offsets, blocks, tile_offsets, heads, group, tile_size, block_size, check_values=False)

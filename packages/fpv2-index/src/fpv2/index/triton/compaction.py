@@ -1,14 +1,15 @@
-"""Keep bits -> CSR: offsets by a device prefix sum, then block ids written in place, ascending.
+"""Keep bits -> CSR: block ids written in place, ascending, at the offsets the selection kernel wrote.
 
-The selection kernel leaves one bit per (segment, block) and one count per
-segment. ``offsets = [0, cumsum(counts)]`` is a single device scan; then one
-program per segment expands its bits ``BITS`` at a time (the whole segment row,
-up to 1024 blocks, in one step at 128K tokens), ranks the set bits with a
-prefix sum and writes their block ids to ``blocks[offsets[s] + rank]``. A
-program stops as soon as it has written its segment's count. Words past those
-the selection kernel wrote for the segment (but inside its row) may be read in
-the last step: their bits rank at or after ``count`` (every written bit comes
-first), so they are never stored.
+The selection kernel leaves one bit per (segment, block), one count per
+segment and ``offsets = [0, cumsum(counts)]`` (its last program scans the
+counts; :func:`segment_offsets` is the same scan in torch, the reference the
+tests hold it to). Then one program per segment expands its bits ``BITS`` at
+a time (the whole segment row, up to 1024 blocks, in one step at 128K tokens),
+ranks the set bits with a prefix sum and writes their block ids to
+``blocks[offsets[s] + rank]``. A program stops as soon as it has written its
+segment's count. Words past those the selection kernel wrote for the segment
+(but inside its row) may be read in the last step: their bits rank at or after
+``count`` (every written bit comes first), so they are never stored.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import Relauncher
 from .tuning import next_power_of_2
 from .workspace import WORD_BITS
 
@@ -67,6 +69,10 @@ def segment_offsets(counts: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
+#: Launcher of the compaction kernel (direct relaunch of the compiled kernel, :mod:`.launcher`).
+_COMPACT = Relauncher(_compact_kernel)
+
+
 def launch_compact(keep_bits: torch.Tensor, offsets: torch.Tensor, blocks: torch.Tensor) -> None:
     """Write every segment's kept block ids to ``blocks``, ascending, at its offset.
 
@@ -80,7 +86,8 @@ def launch_compact(keep_bits: torch.Tensor, offsets: torch.Tensor, blocks: torch
         return
     words = keep_bits.shape[1]
     bits = min(MAX_STEP_BITS, max(WORD_BITS, next_power_of_2(words * WORD_BITS)))
-    _compact_kernel[(num_segments,)](
+    _COMPACT(
+        (num_segments,),
         keep_bits,
         offsets,
         blocks,

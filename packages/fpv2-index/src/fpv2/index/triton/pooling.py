@@ -8,6 +8,12 @@ and divides by the block's valid length, so the tail block of a request
 averages over its real tokens. Output rows follow
 :class:`fpv2.kernel.BlockStatistics`: block ``J`` of request ``b`` is row
 ``block_offsets[b] + J``; program ``(0, 0)`` writes ``block_offsets`` itself.
+
+With ``HAS_KEYS`` the kernel also writes the scoring copy of the pooled keys
+(:mod:`.prepared_keys`): the stored fp32 mean times ``key_scale``, cast to the
+keys' dtype, which is what the separate preparation kernel computes from the
+stored mean (same product, same rounding), so the selection needs no launch of
+its own for it. All outputs of a call come from one allocation (:mod:`.outputs`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from .launcher import Relauncher
+from .outputs import fresh_outputs
 from .tuning import next_power_of_2
 
 
@@ -26,6 +34,7 @@ def _pool_kernel(
     v_ptr,
     pooled_k_ptr,
     pooled_v_ptr,
+    keys_ptr,
     lengths_ptr,
     block_offsets_ptr,
     seqlens_k_ptr,
@@ -43,6 +52,7 @@ def _pool_kernel(
     num_requests,
     num_kv_heads,
     head_dim,
+    key_scale,
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -51,6 +61,7 @@ def _pool_kernel(
     HAS_V: tl.constexpr,
     HAS_K_DESCALE: tl.constexpr,
     HAS_V_DESCALE: tl.constexpr,
+    HAS_KEYS: tl.constexpr,
 ):
     row = tl.program_id(0)  # global block row (block_offsets[b] + J)
     group = tl.program_id(1)  # heads group * HEADS .. group * HEADS + HEADS - 1
@@ -102,13 +113,20 @@ def _pool_kernel(
     if HAS_K_DESCALE:
         k_scale = inv_len * tl.load(k_descale_ptr + b * num_kv_heads + heads, mask=col_ok, other=0.0)
     out = (row.to(tl.int64) * num_kv_heads + heads) * head_dim + dims
-    tl.store(pooled_k_ptr + out, acc_k * k_scale, mask=col_ok)
+    mean_k = acc_k * k_scale
+    tl.store(pooled_k_ptr + out, mean_k, mask=col_ok)
+    if HAS_KEYS:  # the scoring copy: (stored mean * scale) in the keys' dtype, as the preparation kernel makes it
+        tl.store(keys_ptr + out, (mean_k * key_scale).to(keys_ptr.dtype.element_ty), mask=col_ok)
     if HAS_V:
         v_scale = inv_len
         if HAS_V_DESCALE:
             v_scale = inv_len * tl.load(v_descale_ptr + b * num_kv_heads + heads, mask=col_ok, other=0.0)
         tl.store(pooled_v_ptr + out, acc_v * v_scale, mask=col_ok)
     tl.store(lengths_ptr + row, length, mask=group == 0)
+
+
+#: The pooling kernel's launcher (direct relaunch of the compiled kernel, :mod:`.launcher`).
+_POOL = Relauncher(_pool_kernel)
 
 
 def launch_pool(
@@ -122,7 +140,9 @@ def launch_pool(
     block_size: int,
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    key_dtype: torch.dtype | None = None,
+    key_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Run the pooling kernel over every block of the batch (inputs checked by the caller).
 
     Args:
@@ -135,29 +155,43 @@ def launch_pool(
         block_size: tokens per block.
         k_descale: ``(B, Hkv) float32`` contiguous or None.
         v_descale: ``(B, Hkv) float32`` contiguous or None.
+        key_dtype: dtype of the scoring copy of the pooled keys, or None for no copy.
+        key_scale: factor of the scoring copy (:func:`.prepared_keys.logit_scale_log2`).
 
     Returns:
-        ``(pooled_k, pooled_v or None, block_lengths, block_offsets)``: ``(total_blocks, Hkv, d) float32``
-        pooled vectors, ``(total_blocks,) int32`` valid tokens per block and ``(B+1,) int32`` cumulative
-        blocks per request.
+        ``(pooled_k, pooled_v or None, keys or None, block_lengths, block_offsets)``: ``(total_blocks, Hkv, d)
+        float32`` pooled vectors, the ``(total_blocks, Hkv, d)`` scoring copy in ``key_dtype``,
+        ``(total_blocks,) int32`` valid tokens per block and ``(B+1,) int32`` cumulative blocks per request;
+        fresh tensors sharing one allocation.
     """
     _, _, num_kv_heads, head_dim = k_cache.shape
     device = k_cache.device
     num_requests = seqlens_k.numel()
-    pooled_k = torch.empty(total_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device)
-    pooled_v = torch.empty_like(pooled_k) if v_cache is not None else None
-    lengths = torch.empty(total_blocks, dtype=torch.int32, device=device)
+    shape = (total_blocks, num_kv_heads, head_dim)
+    parts = [(shape, torch.float32)]
+    if v_cache is not None:
+        parts.append((shape, torch.float32))
+    if key_dtype is not None:
+        parts.append((shape, key_dtype))
+    parts += [((total_blocks,), torch.int32), ((num_requests + 1,), torch.int32)]
+    outs = fresh_outputs(device, parts)
+    pooled_k = outs[0]
+    pooled_v = outs[1] if v_cache is not None else None
+    keys = outs[-3] if key_dtype is not None else None
+    lengths, block_offsets = outs[-2], outs[-1]
     if total_blocks == 0 or num_kv_heads == 0:
-        return pooled_k, pooled_v, lengths, torch.zeros(num_requests + 1, dtype=torch.int32, device=device)
-    block_offsets = torch.empty(num_requests + 1, dtype=torch.int32, device=device)
+        block_offsets.zero_()
+        return pooled_k, pooled_v, keys, lengths, block_offsets
     knobs = tuning.POOL
     v_arg = v_cache if v_cache is not None else k_cache
     heads = knobs.heads_for(num_kv_heads, next_power_of_2(head_dim))
-    _pool_kernel[(total_blocks, -(-num_kv_heads // heads))](
+    _POOL(
+        (total_blocks, -(-num_kv_heads // heads)),
         k_cache,
         v_arg,
         pooled_k,
         pooled_v if pooled_v is not None else pooled_k,
+        keys if keys is not None else pooled_k,
         lengths,
         block_offsets,
         seqlens_k,
@@ -175,6 +209,7 @@ def launch_pool(
         num_requests,
         num_kv_heads,
         head_dim,
+        float(key_scale),
         BLOCK_SIZE=block_size,
         TOKENS=min(knobs.tokens, block_size),
         BLOCK_D=next_power_of_2(head_dim),
@@ -183,6 +218,7 @@ def launch_pool(
         HAS_V=v_cache is not None,
         HAS_K_DESCALE=k_descale is not None,
         HAS_V_DESCALE=v_descale is not None,
+        HAS_KEYS=keys is not None,
         num_warps=knobs.num_warps,
     )
-    return pooled_k, pooled_v, lengths, block_offsets
+    return pooled_k, pooled_v, keys, lengths, block_offsets

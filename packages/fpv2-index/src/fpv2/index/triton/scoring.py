@@ -24,7 +24,14 @@ program:
    the segment's count.
 
 Program 0 also writes the index's ``tile_offsets`` and ``offsets[0] = 0``, so
-the host launches no metadata kernels.
+the host launches no metadata kernels. The last program to finish (the one
+whose increment of the workspace's completion counter sees ``P - 1`` earlier
+ones) turns the counts into ``offsets[1:] = cumsum(counts)``, a few
+4096-count steps on one SM while the others drain, and sets the counter back
+to 0 for the next call (also under CUDA graph replay): no separate prefix-sum
+launch. Each program's count stores precede its counter increment (a CTA
+barrier, then an acq_rel atomic at GPU scope); the last program reads the
+counts after its own acq_rel atomic and a CTA barrier, through L2 (``.cg``).
 
 With ``tiles_per_program = 2`` (:mod:`.tuning`) a unit of work is two adjacent
 tiles ``2u, 2u + 1`` of one request and KV head (the second absent for the last
@@ -66,23 +73,21 @@ Triton 3.6 interpreter cannot take a loaded value as a ``range()`` bound.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import tuning
+from .launcher import Relauncher
+from .prepared_keys import DOT_BF16 as DOT_BF16  # re-exported: the dot kinds and LOG2E used to live here
+from .prepared_keys import DOT_DTYPES
+from .prepared_keys import DOT_FP16 as DOT_FP16
+from .prepared_keys import DOT_FP32 as DOT_FP32
+from .prepared_keys import LOG2E as LOG2E
+from .scan import scan_counts
 from .tuning import next_power_of_2
 from .workspace import CHUNK_BLOCKS, WORD_BITS, WorkspaceViews
-
-#: ``log2(e)``: logits are scored in log2 units so energies are powers of two.
-LOG2E = math.log2(math.e)
-
-#: Dot operand kinds (constexpr ``DOT_KIND``).
-DOT_FP32, DOT_FP16, DOT_BF16 = 0, 1, 2
-_DOT_DTYPES = {DOT_FP32: torch.float32, DOT_FP16: torch.float16, DOT_BF16: torch.bfloat16}
 
 #: Largest number of blocks pass 2 thresholds per step (one round trip to the energies row per step).
 PASS2_MAX_BLOCKS = 1024
@@ -126,6 +131,10 @@ def _prepare_keys_kernel(src_ptr, dst_ptr, numel, scale, ELEMENTS: tl.constexpr)
     tl.store(dst_ptr + offs, (x * scale).to(dst_ptr.dtype.element_ty), mask=ok)
 
 
+#: Launcher of the key preparation kernel (direct relaunch of the compiled kernel, :mod:`.launcher`).
+_PREPARE = Relauncher(_prepare_keys_kernel)
+
+
 def launch_prepare_keys(pooled_k: torch.Tensor, scale_log2: float, dot_kind: int) -> torch.Tensor:
     """Pooled keys times ``scale_log2``, cast to the dot dtype (one launch, one rounding).
 
@@ -137,11 +146,11 @@ def launch_prepare_keys(pooled_k: torch.Tensor, scale_log2: float, dot_kind: int
     Returns:
         The prepared keys, same shape, contiguous.
     """
-    keys = torch.empty(pooled_k.shape, dtype=_DOT_DTYPES[dot_kind], device=pooled_k.device)
+    keys = torch.empty(pooled_k.shape, dtype=DOT_DTYPES[dot_kind], device=pooled_k.device)
     numel = pooled_k.numel()
     if numel:
         grid = (-(-numel // PREPARE_ELEMENTS),)
-        _prepare_keys_kernel[grid](pooled_k, keys, numel, scale_log2, ELEMENTS=PREPARE_ELEMENTS, num_warps=4)
+        _PREPARE(grid, pooled_k, keys, numel, scale_log2, ELEMENTS=PREPARE_ELEMENTS, num_warps=4)
     return keys
 
 
@@ -482,6 +491,7 @@ def _score_select_kernel(
     energies_ptr,
     keep_bits_ptr,
     counts_ptr,
+    done_ptr,
     stride_q_tok,
     stride_q_head,
     stride_pk_block,
@@ -498,6 +508,7 @@ def _score_select_kernel(
     window_tokens,
     dense_tail_tiles,
     min_sparse_kv_len,
+    num_segments,
     TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PROBE: tl.constexpr,
@@ -516,6 +527,7 @@ def _score_select_kernel(
     FAST_LOG2: tl.constexpr,
     TILES: tl.constexpr,
     MMA_STORE: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -695,6 +707,21 @@ def _score_select_kernel(
         tl.debug_barrier()
         work += num_programs
 
+    # ---- the last program to finish writes offsets[1:] = cumsum(counts) (ordering: see the module docstring)
+    tl.debug_barrier()  # this program's count stores come before its increment
+    finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")  # earlier increments
+    if finished == num_programs - 1:
+        tl.debug_barrier()
+        scan_counts(counts_ptr, offsets_ptr, num_segments, zero, SCAN)
+        tl.store(done_ptr, zero)  # every program has counted: ready for the next call
+
+
+#: Counts the last program sums per step of the offsets scan.
+SCAN_COUNTS = 4096
+
+#: Launcher of the fused kernel (direct relaunch of the compiled kernel, :mod:`.launcher`).
+_SCORE_SELECT = Relauncher(_score_select_kernel)
+
 
 def num_units(tiles_per_request: list[int], tiles_per_program: int) -> int:
     """Units of work per KV head: each request's tiles in groups of ``tiles_per_program`` (the last may be short).
@@ -738,8 +765,9 @@ def launch_score_select(
     """Run the fused scoring/selection kernel (inputs checked by the caller).
 
     Writes ``views.keep_bits`` (the rows of every segment, whole 64-block chunks
-    up to the tile's visible blocks), ``views.counts``, ``tile_offsets`` and
-    ``offsets[0]``.
+    up to the tile's visible blocks), ``views.counts``, ``tile_offsets`` and all of
+    ``offsets`` (``[0, cumsum(counts)]``, by the last program to finish; ``views.done``
+    must read 0 on entry and reads 0 again on exit).
 
     Args:
         q: ``(total_q, Hq, d)`` queries, unit stride in ``d``.
@@ -750,7 +778,7 @@ def launch_score_select(
         seqlens_k: ``(B,) int32`` KV lengths.
         block_offsets: ``(B+1,) int32`` cumulative key blocks per request.
         tile_offsets: ``(B+1,) int32`` output: cumulative tiles per request.
-        offsets: ``(S+1,) int32`` CSR offsets; only ``offsets[0]`` is written here.
+        offsets: ``(S+1,) int32`` output: the CSR offsets.
         views: workspace views of the call, with ``tiles_per_program`` energies rows per program.
         total_units: units of work per KV head (:func:`num_units` of the knobs' ``tiles_per_program``).
         num_programs: persistent grid size.
@@ -784,7 +812,8 @@ def launch_score_select(
         )
     block_d = max(16, next_power_of_2(head_dim))
     num_requests = cu_seqlens_q.numel() - 1
-    _score_select_kernel[(num_programs,)](
+    _SCORE_SELECT(
+        (num_programs,),
         q,
         keys,
         q_descale if q_descale is not None else views.energies,
@@ -796,6 +825,7 @@ def launch_score_select(
         views.energies,
         views.keep_bits,
         views.counts,
+        views.done,
         q.stride(0),
         q.stride(1),
         keys.stride(0),
@@ -812,6 +842,7 @@ def launch_score_select(
         window_tokens,
         dense_tail_tiles,
         min_sparse_kv_len,
+        views.counts.numel(),
         TILE=tile_size,
         BLOCK_SIZE=block_size,
         PROBE=probe_stride,
@@ -830,5 +861,6 @@ def launch_score_select(
         FAST_LOG2=not interpret,
         TILES=knobs.tiles_per_program,
         MMA_STORE=knobs.mma_store and not interpret,
+        SCAN=SCAN_COUNTS,
         **launch,
     )

@@ -14,7 +14,15 @@ about 0.4 GB at 128K tokens with 32/8 heads) but with:
 
 with ``Nb`` the largest number of key blocks of a request, ``S = Hkv * tiles``
 the number of segments and ``P = min(S / T, programs per SM * SMs)`` (``S / T``
-rounded up per request: the units of work).
+rounded up per request: the units of work). Besides these, a workspace holds
+one int32 completion counter (zeroed once, when the workspace first reserves;
+the selection kernel leaves it at 0 after every call), not counted in
+:attr:`IndexWorkspace.nbytes`.
+
+A call at the same shape as the one before gets the same view objects back:
+no allocation and no new tensors. Only scratch lives here; the index stage's
+outputs are fresh tensors on every call (:mod:`.outputs`), since callers keep
+them across calls.
 
 At 128K tokens, one request, 32 query / 8 KV heads, ``Bk = Mt = 128`` on an
 H200 (132 SMs, 3 programs per SM by default, so ``P = 396``): ``Nb = 1024`` and
@@ -62,11 +70,13 @@ class WorkspaceViews(NamedTuple):
             ``T`` tiles persistent program ``p`` scores at once.
         keep_bits: ``(S, W) int32`` keep bits, one row per segment (``W`` from :func:`words_per_segment`).
         counts: ``(S,) int32`` kept blocks per segment.
+        done: ``(1,) int32`` completion counter of the selection kernel's programs (0 between calls).
     """
 
     energies: torch.Tensor
     keep_bits: torch.Tensor
     counts: torch.Tensor
+    done: torch.Tensor
 
 
 class IndexWorkspace:
@@ -96,6 +106,8 @@ class IndexWorkspace:
         self._energies: torch.Tensor | None = None
         self._keep_bits: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
+        self._done: torch.Tensor | None = None
+        self._views: tuple[tuple[int, int, int, int], WorkspaceViews] | None = None  # the last call's, by shape
 
     @staticmethod
     def required_bytes(num_programs: int, max_blocks: int, num_segments: int, tiles_per_program: int = 1) -> int:
@@ -159,7 +171,8 @@ class IndexWorkspace:
             tiles_per_program: tiles a program scores at once; energies has ``P * tiles_per_program`` rows.
 
         Returns:
-            The :class:`WorkspaceViews` of the call (contents undefined: the kernel writes before it reads).
+            The :class:`WorkspaceViews` of the call (contents undefined, the kernel writes before it reads,
+            except ``done``, which reads 0).
 
         Raises:
             ValueError: the workspace lives on another device than the call.
@@ -170,16 +183,30 @@ class IndexWorkspace:
         elif not _same_device(self.device, device):
             raise ValueError(f"IndexWorkspace lives on {self.device}, the call runs on {device}; use one per device")
         row = max(max_blocks, 1)
-        words = words_per_segment(max_blocks)
         num_rows = num_programs * tiles_per_program
+        shape = (num_rows, row, num_segments, max_blocks)
+        cached = self._views
+        if cached is not None and cached[0] == shape:
+            return cached[1]  # the buffers cannot have shrunk: same views, nothing new
+        words = words_per_segment(max_blocks)
         self._energies = self._grow(self._energies, num_rows * row, torch.float32, device)
         self._keep_bits = self._grow(self._keep_bits, num_segments * words, torch.int32, device)
         self._counts = self._grow(self._counts, num_segments, torch.int32, device)
-        return WorkspaceViews(
+        if self._done is None:
+            self._done = torch.zeros(1, dtype=torch.int32, device=device)
+        views = WorkspaceViews(
             energies=self._energies[: num_rows * row].view(num_rows, row),
             keep_bits=self._keep_bits[: num_segments * words].view(num_segments, words),
             counts=self._counts[:num_segments],
+            done=self._done,
         )
+        self._views = (shape, views)
+        return views
+
+    def reset_counter(self) -> None:
+        """Zero the completion counter again (after a selection kernel that did not finish, e.g. raised)."""
+        if self._done is not None:
+            self._done.zero_()
 
     @staticmethod
     def _grow(buf: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

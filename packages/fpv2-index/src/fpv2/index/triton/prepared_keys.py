@@ -1,0 +1,133 @@
+"""Pooled keys prepared for scoring (scaled to log2 logit units, cast to the dot dtype), made by the pooling kernel.
+
+The fused scoring kernel reads the pooled keys as ``(pooled_k * scale * log2 e)``
+cast to its dot dtype. :func:`~fpv2.index.triton.pool_blocks_triton` writes that
+copy next to ``pooled_k`` from the same registers (the same fp32 product and
+the same rounding as the separate preparation kernel, so the same bits) and
+hands it over in :class:`TritonBlockStatistics`; the selection then launches
+no preparation kernel. It prepares for the selection it expects (by default
+``softmax_scale = 1 / sqrt(d)`` and queries of the cache's dtype); a
+selection with another scale or query dtype, or statistics of another origin,
+prepares its own keys as before.
+
+The prepared copy is only used while it still describes ``pooled_k``: the same
+tensor object, unmodified since pooling (its autograd version counter, which
+every in-place torch operation bumps). Writes into ``pooled_k`` that bypass
+torch (a custom kernel through its pointer) are not seen: rebuild the
+statistics as a plain :class:`~fpv2.kernel.BlockStatistics` after such writes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fpv2.kernel.contracts import BlockStatistics
+
+#: ``log2(e)``: logits are scored in log2 units so energies are powers of two.
+LOG2E = math.log2(math.e)
+
+#: Dot operand kinds (constexpr ``DOT_KIND`` of the scoring kernel).
+DOT_FP32, DOT_FP16, DOT_BF16 = 0, 1, 2
+DOT_DTYPES = {DOT_FP32: torch.float32, DOT_FP16: torch.float16, DOT_BF16: torch.bfloat16}
+
+
+def dot_kind(dtype: torch.dtype, interpret: bool) -> int:
+    """Operand type of the scoring dot for queries of ``dtype``.
+
+    Args:
+        dtype: the query dtype.
+        interpret: running under the Triton interpreter (whose bf16 ``tl.dot`` is broken: bf16 scores in fp32).
+
+    Returns:
+        :data:`DOT_FP32`, :data:`DOT_FP16` or :data:`DOT_BF16`.
+    """
+    if dtype == torch.float32:
+        return DOT_FP32
+    if dtype == torch.bfloat16:
+        return DOT_FP32 if interpret else DOT_BF16
+    return DOT_FP16  # fp16, and float8_e4m3fn upcast exactly
+
+
+def logit_scale_log2(softmax_scale: float | None, head_dim: int) -> float:
+    """The factor the keys are prepared with: the logit scale times ``log2(e)``.
+
+    Args:
+        softmax_scale: the selection's ``softmax_scale`` (None: ``1 / sqrt(head_dim)``).
+        head_dim: ``d``.
+
+    Returns:
+        ``scale * log2(e)``, computed as :meth:`fpv2.index.SelectionConfig.scale_for` times :data:`LOG2E`.
+    """
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    return scale * LOG2E
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedKeys:
+    """Pooled keys in log2 logit units and the dot dtype, and what they were made from.
+
+    Attributes:
+        keys: ``(total_blocks, Hkv, d)`` contiguous, dtype ``DOT_DTYPES[dot_kind]``.
+        source: the ``pooled_k`` tensor they were computed from.
+        source_version: ``source._version`` when they were written.
+        scale_log2: the factor applied (:func:`logit_scale_log2`).
+        dot_kind: the dot operand kind they were cast for.
+    """
+
+    keys: torch.Tensor
+    source: torch.Tensor
+    source_version: int
+    scale_log2: float
+    dot_kind: int
+
+    def matches(self, pooled_k: torch.Tensor, scale_log2: float, kind: int) -> bool:
+        """Whether these are exactly the keys a selection with ``scale_log2`` and ``kind`` would prepare.
+
+        Args:
+            pooled_k: the statistics' pooled keys at selection time.
+            scale_log2: the selection's factor.
+            kind: the selection's dot kind.
+
+        Returns:
+            True when the source is the same unmodified tensor and the factor and dtype agree.
+        """
+        return (
+            self.source is pooled_k
+            and pooled_k._version == self.source_version
+            and self.scale_log2 == scale_log2
+            and self.dot_kind == kind
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class TritonBlockStatistics(BlockStatistics):
+    """:class:`~fpv2.kernel.BlockStatistics` from the Triton pooling kernel, carrying its prepared keys.
+
+    A plain ``BlockStatistics`` everywhere else; :func:`~fpv2.index.triton.select_blocks_triton`
+    uses :attr:`prepared_keys` when they match its scale and dot dtype (:meth:`PreparedKeys.matches`).
+
+    Attributes:
+        prepared_keys: the scoring copy of ``pooled_k``, or None.
+    """
+
+    prepared_keys: PreparedKeys | None = None
+
+
+def matching_keys(statistics: BlockStatistics, scale_log2: float, kind: int) -> torch.Tensor | None:
+    """The prepared keys of ``statistics`` if they are what a selection with ``scale_log2``, ``kind`` needs.
+
+    Args:
+        statistics: the statistics the selection runs on.
+        scale_log2: the selection's factor.
+        kind: the selection's dot kind.
+
+    Returns:
+        The keys, or None (the selection prepares its own).
+    """
+    prepared = getattr(statistics, "prepared_keys", None)
+    if isinstance(prepared, PreparedKeys) and prepared.matches(statistics.pooled_k, scale_log2, kind):
+        return prepared.keys
+    return None
