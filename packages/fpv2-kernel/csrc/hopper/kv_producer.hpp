@@ -55,6 +55,8 @@ struct KvProducer {
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
     const int num_kept = schedule.num_kept;
+    // Read before the kept blocks, so the first pooled copy does not wait for a global load.
+    const int pooled_base = schedule.num_correction > 0 ? params.pooled_block_offsets[tile.request] : 0;
     int row_block = num_kept > 0 ? row_block_of(schedule.block(0)) : 0;
     CUTE_NO_UNROLL
     for (int i = 0; i < num_kept; ++i) {
@@ -70,7 +72,6 @@ struct KvProducer {
     if (schedule.num_correction > 0) {
       // The request's pooled rows start at pooled_block_offsets[b]: shift the coordinate origin there, then
       // tile by 128 rows like the cache.
-      const int pooled_base = params.pooled_block_offsets[tile.request];
       Tensor mPK = domain_offset(make_coord(pooled_base, _0{}),
                                  params.tma_pooled_k.get_tma_tensor(make_shape(params.pooled_rows, params.cache_cols)));
       Tensor mPVt = domain_offset(make_coord(_0{}, pooled_base), params.tma_pooled_v.get_tma_tensor(

@@ -85,6 +85,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    if (params.has_correction) {  // else the first pooled copy fetches its descriptor on the critical path
+      cute::prefetch_tma_descriptor(params.tma_pooled_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_pooled_v.get_tma_descriptor());
+    }
     // A stage fills with one TMA arrival, or with one cp.async arrival per producer thread (gather); one
     // arrival per consumer warp releases it (KvPipeline::consumer_release).
     const uint32_t producer_arrivals = params.gather ? Traits::kThreadsPerWarpGroup : 1;
