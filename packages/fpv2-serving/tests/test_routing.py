@@ -384,6 +384,10 @@ def test_shipped_h200_table_is_used_on_that_gpu_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     router = DensityRouter()  # the default table is MEASURED
     assert router.curve_for(key) is not None and router.curve_for(RoutingKey(32, 8, 128, "bf16", 16, 0.1)) is None
+    # The Hopper kernel's page-128 curve (measured 2026-12-01): sparse from about 9,219 KV tokens on.
+    hopper = table.curve(RoutingKey(32, 8, 128, "bf16", 128, 0.1))
+    assert hopper is not None and 9_100 < hopper.switch_kv_len() < 9_350
+    assert router.prefers_sparse(8192, RoutingKey(32, 8, 128, "bf16", 128, 0.1)) is False
     assert router.prefers_sparse(8192, key) is False  # the default rule would say sparse here
     assert router.prefers_sparse(8192, RoutingKey(32, 8, 128, "bf16", 16, 0.1)) is True  # unmeasured key: the rule
     assert router.prefers_sparse(12288, key) is True

@@ -1,14 +1,17 @@
 """Routing curves measured on the device, shipped so that routing works without a measurement of one's own.
 
-:data:`H200_TABLE` is the routing table ``benchmarks/routing_switch_point.py``
-wrote on the lent H200 on 2026-11-29 (files under
-``benchmarks/results/2026-11-29-h200-serving/``): planted workload, B=1, no
-prefix, Hq=32, Hkv=8, d=128, bf16, page size 1, ``alpha = 0.1``, the Triton
-backends (the sparse pipeline with the correction against the Triton kernel's
-dense mode), medians of 10 CUDA-event runs. The sparse pipeline wins from
-about 10,069 KV tokens on (1.79x at 16K, 4.48x at 32K); at 8K it is 1.28x
-slower than dense, so the default rule's ``min_sparse_kv_len = 8192`` routes
-8K..10K prompts to the slower path on this GPU.
+:data:`H200_TABLE` holds the routing curves ``benchmarks/routing_switch_point.py``
+wrote on the lent H200: planted workload, B=1, no prefix, Hq=32, Hkv=8, d=128,
+bf16, ``alpha = 0.1``, the sparse pipeline with the correction against the
+backend's dense mode, medians of 10 CUDA-event runs.
+
+- page size 1 (2026-11-29, ``benchmarks/results/2026-11-29-h200-serving/``),
+  the Triton backends: sparse wins from about 10,069 KV tokens on (1.79x at
+  16K, 4.48x at 32K); at 8K it is 1.28x slower than dense, so the default
+  rule's ``min_sparse_kv_len = 8192`` routes 8K..10K prompts to the slower path;
+- page size 128 (2026-12-01, ``benchmarks/results/2026-12-01-h200-serving-gpu/``),
+  the Hopper kernel: sparse wins from about 9,219 KV tokens on (1.74x at 16K,
+  5.59x at 32K); at 8K it is 1.12x slower than dense.
 
 :func:`measured_table` hands the table to the router only on the GPU it was
 measured on (by device name); other GPUs, and other keys on this one (page
@@ -50,7 +53,27 @@ H200_TABLE: dict[str, object] = {
                 "repeats": 10,
                 "commit": "e4ec676 (with uncommitted kernel and index work of the same hour)",
             },
-        }
+        },
+        {
+            "key": {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "page_size": 128, "alpha": 0.1},
+            "points": [
+                {"kv_len": 2048, "sparse_ms": 0.9673, "dense_ms": 0.1963, "density": 0.8380},
+                {"kv_len": 4096, "sparse_ms": 0.7973, "dense_ms": 0.3301, "density": 0.5693},
+                {"kv_len": 8192, "sparse_ms": 1.0526, "dense_ms": 0.9396, "density": 0.4862},
+                {"kv_len": 16384, "sparse_ms": 1.8974, "dense_ms": 3.2989, "density": 0.2356},
+                {"kv_len": 32768, "sparse_ms": 2.5460, "dense_ms": 14.2274, "density": 0.0896},
+            ],
+            "meta": {
+                "gpu": "NVIDIA H200",
+                "backend": "hopper",
+                "dense_path": "kernel",
+                "strategy": "max_threshold",
+                "correction": True,
+                "workload": "planted",
+                "repeats": 10,
+                "commit": "166c5a9 (kernel library of 28895bb)",
+            },
+        },
     ],
 }
 
