@@ -24,11 +24,13 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+# The Triton index tests' shared skip rules and device (pytest applies the imported ``pytestmark``).
+from test_triton_index import DEVICE, HAS_CUDA, INTERPRET, needs_cuda, pytestmark  # noqa: E402, F401
+
 from fpv2.index.config import SelectionConfig  # noqa: E402
 from fpv2.index.triton import (  # noqa: E402
     GraphedIndex,
     IndexWorkspace,
-    interpreter_enabled,
     launcher,
     pool_blocks_triton,
     scoring,
@@ -46,19 +48,7 @@ from fpv2.index.triton.scan import scan_counts  # noqa: E402
 from fpv2.kernel.contracts import BlockIndex, BlockStatistics  # noqa: E402
 from fpv2.kernel.testing import planted_workload  # noqa: E402
 
-INTERPRET = interpreter_enabled()
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-pytestmark = [
-    pytest.mark.skipif(
-        not (INTERPRET or HAS_CUDA),
-        reason="the Triton index stage needs a CUDA GPU or the Triton interpreter (TRITON_INTERPRET=1)",
-    ),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning"),
-]
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
 
 
 def _config(**overrides: object) -> SelectionConfig:

@@ -21,7 +21,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_index import DEVICE, HAS_CUDA, INTERPRET, _compare, _reference_ratios, _small_config
+from test_triton_index import (  # pytest applies the imported pytestmark
+    DEVICE,
+    _compare,
+    _reference_ratios,
+    _small_config,
+    needs_cuda,
+    pytestmark,  # noqa: F401
+)
 
 from fpv2.index.config import SelectionConfig
 from fpv2.index.reference import select_blocks
@@ -31,15 +38,6 @@ from fpv2.index.triton.tuning import ScoreTuning, set_tuning
 from fpv2.kernel.contracts import BlockIndex, num_query_tiles, tile_span
 from fpv2.kernel.reference.pooling import pool_blocks
 from fpv2.kernel.testing import planted_workload
-
-pytestmark = [
-    pytest.mark.skipif(
-        not (INTERPRET or HAS_CUDA),
-        reason="the Triton index stage needs a CUDA GPU or the Triton interpreter (TRITON_INTERPRET=1)",
-    ),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning"),
-]
-needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
 
 
 def _select_with(tiles: int, q, batch, stats, config: SelectionConfig, *, mma_store: bool = False, **kwargs):
