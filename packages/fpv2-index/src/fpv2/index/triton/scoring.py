@@ -45,6 +45,17 @@ when it is for every tile that has candidates: adjacent tiles are ``T / g``
 positions apart, so the second tile usually runs at most one step masked that
 it would have run unmasked alone.
 
+Opt-in variants of the per-step work (:class:`.tuning.ScoreTuning`, all off by
+default; each gives the default's index, ``poly_exp2`` up to near-threshold
+flips): ``tree_max`` reduces each block's maximum as a pairwise tree in
+registers; ``light_tail`` scores the steps after the unmasked ones of a tile
+whose rows all see every candidate with block-id masks only (``MASKED=2`` of
+:func:`_step_energies`); ``snake_order`` hands the units to the programs in a
+boustrophedon order; ``key_prefetch`` loads each step's keys into registers one
+step ahead instead of through Triton's ``cp.async`` pipeline
+(:func:`_walk_prefetched`); ``poly_exp2`` computes part of the exponentials
+with a polynomial on the FMA pipe (:func:`_exp2_poly`).
+
 Relation to the reference's online pass (one running tile maximum ``M`` and
 ``E_J = sum_r 2^(s_rJ - M)``, earlier chunks rescaled when ``M`` grows): the
 selection rule only uses ratios ``E_J / max E``, in which any common factor
@@ -236,6 +247,85 @@ def _logits(kbar, q_t, descale, DOT_KIND: tl.constexpr, HAS_Q_DESCALE: tl.conste
 
 
 @triton.jit
+def _split_top(x, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(x[:, :ROWS/2], x[:, ROWS/2:])`` of ``(BLOCK_N, ROWS)`` values, register relabelings only while
+    ``ROWS/2 >= 8`` (the column bits a thread holds in the MMA accumulator layout, see :func:`_tree_max`)."""
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_N, 2, ROWS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _tree_max(x, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``tl.max(x, axis=1)`` of ``(BLOCK_N, ROWS)`` logits as a pairwise tree: the same values, a shorter chain.
+
+    Triton reduces the values a thread holds one after the other (31 dependent ``FMNMX`` per block for 128
+    rows). Here column ``j`` is first paired with ``j + ROWS/2``, then with ``j + ROWS/4``, ... while the
+    pairs lie in one thread (in the MMA accumulator layout a thread holds columns ``c + 8 i``, ``c + 8 i + 1``),
+    so the halving steps are independent maxima in registers (no shared memory: the reshapes only relabel
+    registers); the last 8 columns go through ``tl.max`` (in-thread pair, then two shuffles). A maximum does
+    not depend on the order: the result is bit-identical.
+    """
+    if ROWS > 8:
+        low, high = _split_top(x, ROWS, BLOCK_N)
+        return _tree_max(tl.maximum(low, high), ROWS // 2, BLOCK_N)
+    else:
+        return tl.max(x, axis=1)
+
+
+@triton.jit
+def _block_max(logits, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TREE_MAX: tl.constexpr):
+    """Per-block maximum over the tile's rows (``TREE_MAX``: :func:`_tree_max`, same values)."""
+    if TREE_MAX:
+        return _tree_max(logits, ROWS, BLOCK_N)
+    else:
+        return tl.max(logits, axis=1)
+
+
+@triton.jit
+def _exp2_poly(x):
+    """``2^x`` for finite ``x <= 0`` on the FMA pipe instead of the SFU.
+
+    ``x = j + f`` with ``j = round(x)`` (adding and subtracting ``1.5 * 2^23``) and ``|f| <= 1/2``; ``2^f``
+    from a degree-5 polynomial (coefficients fitted here to the relative error: at most 2.4e-7 in fp32
+    Horner form, about the error of the hardware ``ex2.approx``); ``j`` added to its exponent bits (the low
+    bits of ``x + 1.5 * 2^23`` hold ``j``). ``x`` is clamped at -120: results below ``2^-120`` come out as
+    ``2^-120``, which next to a block's largest term (1) does not change its sum. Ten instructions (FMNMX,
+    3 FADD, 5 FFMA, one integer op) instead of one ``MUFU.EX2``, which issues once per 8 cycles per warp
+    scheduler.
+    """
+    x = tl.maximum(x, -120.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = tl.fma(f, 0.0013276466634124517, 0.009675541892647743)
+    p = tl.fma(p, f, 0.05550713464617729)
+    p = tl.fma(p, f, 0.24022120237350464)
+    p = tl.fma(p, f, 0.6931469440460205)
+    p = tl.fma(p, f, 1.0000001192092896)
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_sum(x, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, POLY: tl.constexpr):
+    """``tl.sum(tl.exp2(x), axis=1)`` of ``(BLOCK_N, ROWS)`` finite exponents ``<= 0``.
+
+    ``POLY = 1`` computes the top quarter of the columns with :func:`_exp2_poly` (needs ``ROWS >= 32``),
+    ``POLY = 2`` the top half (``ROWS >= 16``); otherwise, or with fewer rows, all with ``tl.exp2``. The
+    partial results are added elementwise before the one row reduction. Not the default's rounding
+    (another summation order, another exponential): energies move by about 1e-7 relative.
+    """
+    if POLY == 1 and ROWS >= 32:
+        low, high = _split_top(x, ROWS, BLOCK_N)
+        mufu, poly = _split_top(high, ROWS // 2, BLOCK_N)
+        low_a, low_b = _split_top(tl.exp2(low), ROWS // 2, BLOCK_N)
+        return tl.sum((low_a + low_b) + (tl.exp2(mufu) + _exp2_poly(poly)), axis=1)
+    elif POLY == 2 and ROWS >= 16:
+        low, high = _split_top(x, ROWS, BLOCK_N)
+        return tl.sum(tl.exp2(low) + _exp2_poly(high), axis=1)
+    else:
+        return tl.sum(tl.exp2(x), axis=1)
+
+
+@triton.jit
 def _step_energies(
     logits,
     energies_row,
@@ -248,28 +338,47 @@ def _step_energies(
     MASKED: tl.constexpr,
     FAST_LOG2: tl.constexpr,
     MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
 ):
     """One tile's share of a pass-1 step: log2 energies of its logits, stored, and the running maxima.
 
-    ``MASKED=False`` is only used for steps whose blocks every probed row sees
-    (``J * Bk <= first position``, ``J < num_candidates``): no mask per logit.
+    ``MASKED`` is 0 (False) for steps whose blocks every probed row sees
+    (``J * Bk <= first position``, ``J < num_candidates``): no mask per logit;
+    1 (True) masks every logit by its row's position and its block id; 2 is for
+    the steps after the unmasked ones of a tile whose probed rows all see every
+    candidate (``light`` of :func:`_tile_geometry`): the logits are reduced
+    unmasked and only the per-block results are masked by id (ids at or past
+    ``num_candidates`` hold zero keys, or another tile's candidates; their
+    energies are neither stored nor counted): the same values as ``MASKED=1``
+    for every candidate, with the work of an unmasked step.
     Logits are laid out (block, row), so the per-block maximum and sum over rows
     are reductions within a warp: the loop body has no cross-warp reduction.
     """
     ids = c0 + tl.arange(0, BLOCK_N)
-    if MASKED:
+    if MASKED == 2:
+        id_ok = ids < num_candidates
+        block_max = _block_max(logits, ROWS, BLOCK_N, TREE_MAX)
+        energy = block_max + _log2(_exp2_sum(logits - block_max[:, None], ROWS, BLOCK_N, POLY), FAST_LOG2)
+        _store_energies(energies_row + ids, energy, id_ok, True, MMA_STORE)
+        return tl.maximum(energy_max, tl.where(id_ok, energy, float("-inf")))
+    elif MASKED:
         id_ok = ids < num_candidates
         contributes = id_ok[:, None] & (ids[:, None] * BLOCK_SIZE <= positions[None, :])
         logits = tl.where(contributes, logits, float("-inf"))
-        block_max = tl.max(logits, axis=1)
+        block_max = _block_max(logits, ROWS, BLOCK_N, TREE_MAX)
         offset = tl.where(block_max == float("-inf"), 0.0, block_max)
         # log2(sum_r 2^s_rJ), offset by the block's own maximum so nothing underflows; -inf when no row contributes.
         energy = offset + _log2(tl.sum(tl.exp2(logits - offset[:, None]), axis=1), FAST_LOG2)
         _store_energies(energies_row + ids, energy, id_ok, True, MMA_STORE)
         return tl.maximum(energy_max, tl.where(id_ok, energy, float("-inf")))
     else:
-        block_max = tl.max(logits, axis=1)
-        energy = block_max + _log2(tl.sum(tl.exp2(logits - block_max[:, None]), axis=1), FAST_LOG2)
+        block_max = _block_max(logits, ROWS, BLOCK_N, TREE_MAX)
+        if POLY:
+            energy = block_max + _log2(_exp2_sum(logits - block_max[:, None], ROWS, BLOCK_N, POLY), FAST_LOG2)
+        else:
+            energy = block_max + _log2(tl.sum(tl.exp2(logits - block_max[:, None]), axis=1), FAST_LOG2)
         _store_energies(energies_row + ids, energy, ids >= 0, False, MMA_STORE)
         return tl.maximum(energy_max, energy)
 
@@ -295,13 +404,16 @@ def _score_step(
     MASKED: tl.constexpr,
     FAST_LOG2: tl.constexpr,
     MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
 ):
     """One step of pass 1 for one tile: load keys ``c0 .. c0 + BLOCK_N - 1``, score them (:func:`_step_energies`)."""
     kbar = _load_keys(keys_row, c0, num_candidates, stride_pk_block, head_dim, BLOCK_N, BLOCK_D, EVEN_D, MASKED)
     logits = _logits(kbar, q_t, descale, DOT_KIND, HAS_Q_DESCALE)
     return _step_energies(
         logits, energies_row, c0, num_candidates, positions, energy_max, BLOCK_SIZE, BLOCK_N, MASKED, FAST_LOG2,
-        MMA_STORE,
+        MMA_STORE, ROWS, TREE_MAX, POLY,
     )  # fmt: skip
 
 
@@ -332,6 +444,9 @@ def _pair_step(
     MASKED: tl.constexpr,
     FAST_LOG2: tl.constexpr,
     MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
 ):
     """One step of pass 1 for two tiles: one load of keys ``c0 .. c0 + BLOCK_N - 1`` scored against both.
 
@@ -342,10 +457,298 @@ def _pair_step(
     logits_b = _logits(kbar, q_t_b, descale, DOT_KIND, HAS_Q_DESCALE)
     max_a = _step_energies(
         logits_a, energies_a, c0, candidates_a, positions_a, max_a, BLOCK_SIZE, BLOCK_N, MASKED, FAST_LOG2, MMA_STORE,
+        ROWS, TREE_MAX, POLY,
     )  # fmt: skip
     max_b = _step_energies(
         logits_b, energies_b, c0, candidates_b, positions_b, max_b, BLOCK_SIZE, BLOCK_N, MASKED, FAST_LOG2, MMA_STORE,
+        ROWS, TREE_MAX, POLY,
     )  # fmt: skip
+    return max_a, max_b
+
+
+@triton.jit
+def _walk(
+    q_t,
+    keys_row,
+    energies_row,
+    c_begin,
+    c_end,
+    num_candidates,
+    positions,
+    descale,
+    energy_max,
+    stride_pk_block,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr,
+    MASKED: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
+    USE_WHILE: tl.constexpr,
+    PIPELINE: tl.constexpr = True,
+):
+    """Pass-1 steps ``c_begin, c_begin + BLOCK_N, ... < c_end`` of one tile (:func:`_score_step`).
+
+    The ``range()`` form lets Triton pipeline the pooled-key loads (``cp.async``, ``num_stages`` buffers);
+    ``PIPELINE=False`` asks for none (``num_stages=1``: no prologue issuing the first load before the loop,
+    for loops of at most one step or none). The interpreter takes the ``while`` form (it cannot use loaded
+    values as ``range()`` bounds).
+    """
+    if USE_WHILE:
+        c0 = c_begin
+        while c0 < c_end:
+            energy_max = _score_step(
+                q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max, stride_pk_block,
+                head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, MASKED, FAST_LOG2, MMA_STORE,
+                ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
+            c0 += BLOCK_N
+    elif PIPELINE:
+        for c0 in range(c_begin, c_end, BLOCK_N):
+            energy_max = _score_step(
+                q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max, stride_pk_block,
+                head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, MASKED, FAST_LOG2, MMA_STORE,
+                ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
+    else:
+        for c0 in tl.range(c_begin, c_end, BLOCK_N, num_stages=1):
+            energy_max = _score_step(
+                q_t, keys_row, energies_row, c0, num_candidates, positions, descale, energy_max, stride_pk_block,
+                head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, MASKED, FAST_LOG2, MMA_STORE,
+                ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
+    return energy_max
+
+
+@triton.jit
+def _walk_prefetched(
+    kbar,
+    q_t,
+    keys_row,
+    energies_row,
+    c_begin,
+    c_end,
+    num_candidates,
+    positions,
+    descale,
+    energy_max,
+    stride_pk_block,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr,
+    MASKED: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
+    USE_WHILE: tl.constexpr,
+):
+    """Pass-1 steps like :func:`_walk`, each step's keys loaded to registers one step ahead.
+
+    ``kbar`` holds the keys of step ``c_begin`` (loaded by the caller). Each step copies them to shared
+    memory for its GEMM (a barrier for the previous step's readers, the copy, the async-proxy fence, a
+    barrier), issues the load of the next step's keys right after the GEMM (masked by ``num_candidates``:
+    past the last candidate it reads nothing; after the fence, which could otherwise wait for it), then
+    reduces its logits. The load of step ``i + 1`` so has the exponentials, reductions and store of step
+    ``i`` to arrive, where Triton's two-stage ``cp.async`` pipeline issues it at the end of step ``i`` and
+    waits for it at the top of step ``i + 1`` (the L2 latency exposed once per step). Not pipelined by
+    Triton (``num_stages=1``). Same operands and reductions as :func:`_walk`: the same energies.
+
+    Returns:
+        ``(running maxima, keys of step c_end)`` (the latter for a following walk).
+    """
+    if USE_WHILE:
+        c0 = c_begin
+        while c0 < c_end:
+            logits = _logits(kbar, q_t, descale, DOT_KIND, HAS_Q_DESCALE)
+            kbar_next = _load_keys(
+                keys_row, c0 + BLOCK_N, num_candidates, stride_pk_block, head_dim, BLOCK_N, BLOCK_D, EVEN_D, True
+            )
+            energy_max = _step_energies(
+                logits, energies_row, c0, num_candidates, positions, energy_max, BLOCK_SIZE, BLOCK_N, MASKED,
+                FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
+            kbar = kbar_next
+            c0 += BLOCK_N
+    else:
+        for c0 in tl.range(c_begin, c_end, BLOCK_N, num_stages=1):
+            logits = _logits(kbar, q_t, descale, DOT_KIND, HAS_Q_DESCALE)
+            kbar_next = _load_keys(
+                keys_row, c0 + BLOCK_N, num_candidates, stride_pk_block, head_dim, BLOCK_N, BLOCK_D, EVEN_D, True
+            )
+            energy_max = _step_energies(
+                logits, energies_row, c0, num_candidates, positions, energy_max, BLOCK_SIZE, BLOCK_N, MASKED,
+                FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
+            kbar = kbar_next
+    return energy_max, kbar
+
+
+@triton.jit
+def _walk_tail(
+    light,
+    q_t,
+    keys_row,
+    energies_row,
+    c_begin,
+    num_candidates,
+    positions,
+    descale,
+    energy_max,
+    stride_pk_block,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
+    LIGHT_TAIL: tl.constexpr,
+    USE_WHILE: tl.constexpr,
+):
+    """The steps from ``c_begin`` (after the unmasked ones) to the last candidate of one tile: masked by block
+    id only (``MASKED=2``) with ``LIGHT_TAIL`` when ``light`` (every row sees every candidate), else per logit.
+
+    With ``LIGHT_TAIL`` both loops are always there, one of them empty: a loop under a runtime ``if`` would
+    get shared-memory buffers that Triton's allocator keeps apart from the other branch's (96 KB instead of
+    64 KB per program: two programs per SM instead of three). Neither is pipelined: a light tail is one step
+    (fewer than ``BLOCK_N`` blocks remain after the unmasked steps), and a pipelined loop's prologue (the first
+    load's addresses and masks, some 700 instructions for the per-logit masked loop) runs even when the loop
+    is empty.
+    """
+    if LIGHT_TAIL:
+        split = tl.where(light, num_candidates, c_begin)
+        energy_max = _walk(
+            q_t, keys_row, energies_row, c_begin, split, num_candidates, positions, descale, energy_max,
+            stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, 2,
+            FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE, False,
+        )  # fmt: skip
+        energy_max = _walk(
+            q_t, keys_row, energies_row, split, num_candidates, num_candidates, positions, descale, energy_max,
+            stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True,
+            FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE, False,
+        )  # fmt: skip
+    else:
+        energy_max = _walk(
+            q_t, keys_row, energies_row, c_begin, num_candidates, num_candidates, positions, descale, energy_max,
+            stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True,
+            FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE,
+        )  # fmt: skip
+    return energy_max
+
+
+@triton.jit
+def _walk_prefetched_tail(
+    light,
+    kbar,
+    q_t,
+    keys_row,
+    energies_row,
+    c_begin,
+    num_candidates,
+    positions,
+    descale,
+    energy_max,
+    stride_pk_block,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
+    LIGHT_TAIL: tl.constexpr,
+    USE_WHILE: tl.constexpr,
+):
+    """:func:`_walk_tail` for :func:`_walk_prefetched` (``kbar``: the keys of step ``c_begin``)."""
+    split = c_begin
+    if LIGHT_TAIL:
+        split = tl.where(light, num_candidates, c_begin)
+        energy_max, kbar = _walk_prefetched(
+            kbar, q_t, keys_row, energies_row, c_begin, split, num_candidates, positions, descale, energy_max,
+            stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, 2, FAST_LOG2,
+            MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE,
+        )  # fmt: skip
+    energy_max, kbar = _walk_prefetched(
+        kbar, q_t, keys_row, energies_row, split, num_candidates, num_candidates, positions, descale, energy_max,
+        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, 1, FAST_LOG2,
+        MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE,
+    )  # fmt: skip
+    return energy_max
+
+
+@triton.jit
+def _pair_walk(
+    q_t_a,
+    q_t_b,
+    keys_row,
+    energies_a,
+    energies_b,
+    c_begin,
+    c_end,
+    candidates_a,
+    candidates_b,
+    candidates_pair,
+    positions_a,
+    positions_b,
+    descale,
+    max_a,
+    max_b,
+    stride_pk_block,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr,
+    MASKED: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    MMA_STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
+    USE_WHILE: tl.constexpr,
+):
+    """Pass-1 steps ``c_begin .. < c_end`` of two tiles (:func:`_pair_step`; loop forms as in :func:`_walk`)."""
+    if USE_WHILE:
+        c0 = c_begin
+        while c0 < c_end:
+            max_a, max_b = _pair_step(
+                q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b, candidates_pair,
+                positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N,
+                BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, MASKED, FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
+            c0 += BLOCK_N
+    else:
+        for c0 in range(c_begin, c_end, BLOCK_N):
+            max_a, max_b = _pair_step(
+                q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b, candidates_pair,
+                positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N,
+                BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, MASKED, FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
     return max_a, max_b
 
 
@@ -368,7 +771,10 @@ def _tile_geometry(
     """Rows, visible / scored / forced blocks and the unmasked step limit of ``tile`` of the cached request.
 
     All quantities are non-negative (integer division is floor division), also for ``tile == cur_tiles``
-    (the absent second tile of a pair), which comes out dense with no candidates.
+    (the absent second tile of a pair), which comes out dense with no candidates. The last value,
+    ``light``, says that every probed row sees every candidate (true, e.g., for all full tiles whose
+    positions lie within one block, as with 128 rows of ``g = 4`` and ``Bk = 128``): then the steps after
+    the unmasked ones need masks by block id only (``MASKED=2`` of :func:`_step_energies`).
     """
     row_begin = tile * TILE
     row_end = tl.minimum(row_begin + TILE, q_len * group)
@@ -385,10 +791,11 @@ def _tile_geometry(
     else:
         full = tile * 0
     num_full = (full // BLOCK_N) * BLOCK_N
+    light = full == num_candidates
     has_window = (window_tokens > 0) & (first > 0)
     window_lo = tl.maximum(first - window_tokens, 0) // BLOCK_SIZE
     window_hi = tl.where(has_window, tl.maximum(first - 1, 0) // BLOCK_SIZE, -1)
-    return row_begin, row_end, num_visible, num_candidates, num_full, first_diagonal, dense, window_lo, window_hi
+    return row_begin, row_end, num_visible, num_candidates, num_full, first_diagonal, dense, window_lo, window_hi, light
 
 
 @triton.jit
@@ -426,6 +833,41 @@ def _load_tile_rows(
     q = tl.load(q_ptr + q_addr, mask=row_ok[:, None] & (dims < head_dim)[None, :], other=0.0)
     q = q.to(dot_ptr.dtype.element_ty)  # the dot dtype (keys come cast to it)
     return tl.trans(q), positions
+
+
+@triton.jit
+def _prefetch_tile_rows(
+    q_ptr,
+    row_begin,
+    num_rows,
+    q_start,
+    head,
+    group,
+    stride_q_tok,
+    stride_q_head,
+    valid,
+    TILE: tl.constexpr,
+    PROBE: tl.constexpr,
+    ROWS: tl.constexpr,
+    LINES: tl.constexpr,
+):
+    """``prefetch.global.L2`` of the (probed) packed query rows ``row_begin ..`` of a tile, ``LINES`` 128-byte
+    lines per row (CUDA only: inline PTX). Rows past ``num_rows`` (the request's packed rows), and all rows
+    unless ``valid``, are skipped: only addresses inside the request's queries are touched. Values unchanged."""
+    in_tile = tl.arange(0, ROWS) * PROBE
+    rows = row_begin + in_tile
+    ok = valid & (in_tile < TILE) & (rows < num_rows) & (rows >= 0)
+    tokens = (q_start + rows // group).to(tl.int64)
+    addr = (q_ptr + tokens * stride_q_tok + (head * group + rows % group) * stride_q_head).to(tl.int64)
+    for line in tl.static_range(LINES):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [addr + line * 128, ok.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @triton.jit
@@ -528,7 +970,16 @@ def _score_select_kernel(
     TILES: tl.constexpr,
     MMA_STORE: tl.constexpr,
     SCAN: tl.constexpr,
+    TREE_MAX: tl.constexpr,
+    POLY: tl.constexpr,
+    LIGHT_TAIL: tl.constexpr,
+    SNAKE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    GROUP: tl.constexpr,
+    Q_PREFETCH: tl.constexpr,
 ):
+    if GROUP > 0:  # the group size as a compile-time constant: PackGQA's row // g and row % g without divisions
+        group = GROUP
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     zero = pid * 0
@@ -586,12 +1037,29 @@ def _score_select_kernel(
         tile_a = (unit_global - cur_begin) * TILES
         prefix = kv_len - q_len
         segment_a = num_kv_heads * cur_tile_begin + head * cur_tiles + tile_a
-        row_begin_a, row_end_a, visible_a, candidates_a, full_a, diagonal_a, dense_a, window_lo_a, window_hi_a = (
-            _tile_geometry(
-                tile_a, cur_tiles, prefix, q_len, kv_len, group, window_tokens, dense_tail_tiles, min_sparse_kv_len,
-                TILE, BLOCK_SIZE, BLOCK_N, FULL_ROWS,
-            )
+        (
+            row_begin_a, row_end_a, visible_a, candidates_a, full_a, diagonal_a, dense_a, window_lo_a, window_hi_a,
+            light_a,
+        ) = _tile_geometry(
+            tile_a, cur_tiles, prefix, q_len, kv_len, group, window_tokens, dense_tail_tiles, min_sparse_kv_len,
+            TILE, BLOCK_SIZE, BLOCK_N, FULL_ROWS,
         )  # fmt: skip
+        if Q_PREFETCH:  # this program's next unit's query rows into L2 (the next Q load then misses only in L1)
+            if SNAKE:
+                next_round = work // num_programs + 1
+                next_work = next_round * num_programs + tl.where(next_round % 2 == 0, pid, num_programs - 1 - pid)
+            else:
+                next_work = work + num_programs
+            next_unit = total_units - 1 - next_work // num_kv_heads
+            # Only within the cached request (the next unit's request is not looked up here).
+            _prefetch_tile_rows(
+                q_ptr, (next_unit - cur_begin) * TILES * TILE, q_len * group, q_start, next_work % num_kv_heads, group,
+                stride_q_tok, stride_q_head, (next_work < num_work) & (next_unit >= cur_begin), TILE * TILES, PROBE,
+                ROWS * TILES, Q_PREFETCH,
+            )  # fmt: skip
+        if PREFETCH:  # the first key chunk before the query rows: the two loads' latencies overlap
+            keys_row = keys_ptr + block_base.to(tl.int64) * stride_pk_block + head * stride_pk_head
+            kbar_a = _load_keys(keys_row, zero, candidates_a, stride_pk_block, head_dim, BLOCK_N, BLOCK_D, EVEN_D, True)
         q_t_a, positions_a = _load_tile_rows(
             q_ptr, keys_ptr, row_begin_a, row_end_a, prefix, q_start, head, group, stride_q_tok, stride_q_head,
             head_dim, TILE, PROBE, ROWS, BLOCK_D,
@@ -603,36 +1071,31 @@ def _score_select_kernel(
         max_a = tl.full([BLOCK_N], float("-inf"), tl.float32)  # per lane; reduced once after the walk
 
         if TILES == 1:
-            # ---- pass 1: one walk over the candidate pooled keys; log2 energies to the workspace row
-            if USE_WHILE:  # the interpreter cannot take loaded values as range() bounds
-                c0 = zero
-                while c0 < full_a:
-                    max_a = _score_step(
-                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
-                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
-                        False, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
-                    c0 += BLOCK_N
-                while c0 < candidates_a:
-                    max_a = _score_step(
-                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
-                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
-                        True, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
-                    c0 += BLOCK_N
-            else:  # range() loops, so Triton pipelines the pooled-key loads
-                for c0 in range(0, full_a, BLOCK_N):
-                    max_a = _score_step(
-                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
-                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
-                        False, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
-                for c0 in range(full_a, candidates_a, BLOCK_N):
-                    max_a = _score_step(
-                        q_t_a, keys_row, energies_a, c0, candidates_a, positions_a, descale, max_a,
-                        stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
-                        True, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
+            # ---- pass 1: one walk over the candidate pooled keys; log2 energies to the workspace row. Steps in
+            # which every row sees every block first (no masks), then the one or two others: masked by block id only
+            # when every row sees every candidate (LIGHT_TAIL and light_a), else per logit.
+            if PREFETCH:
+                max_a, kbar_a = _walk_prefetched(
+                    kbar_a, q_t_a, keys_row, energies_a, 0, full_a, candidates_a, positions_a, descale, max_a,
+                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, 0,
+                    FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE,
+                )  # fmt: skip
+                max_a = _walk_prefetched_tail(
+                    light_a, kbar_a, q_t_a, keys_row, energies_a, full_a, candidates_a, positions_a, descale, max_a,
+                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
+                    FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY, LIGHT_TAIL, USE_WHILE,
+                )  # fmt: skip
+            else:
+                max_a = _walk(
+                    q_t_a, keys_row, energies_a, 0, full_a, candidates_a, positions_a, descale, max_a,
+                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False,
+                    FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE,
+                )  # fmt: skip
+                max_a = _walk_tail(
+                    light_a, q_t_a, keys_row, energies_a, full_a, candidates_a, positions_a, descale, max_a,
+                    stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE,
+                    FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY, LIGHT_TAIL, USE_WHILE,
+                )  # fmt: skip
             # Pass 2 reads energies other threads of this program wrote.
             tl.debug_barrier()
             _select_tile(
@@ -644,11 +1107,12 @@ def _score_select_kernel(
             # number of tiles and this is its last unit: then it is dense with no candidates and selects nothing)
             tile_b = tile_a + 1
             has_b = tile_b < cur_tiles
-            row_begin_b, row_end_b, visible_b, candidates_b, full_b, diagonal_b, dense_b, window_lo_b, window_hi_b = (
-                _tile_geometry(
-                    tile_b, cur_tiles, prefix, q_len, kv_len, group, window_tokens, dense_tail_tiles,
-                    min_sparse_kv_len, TILE, BLOCK_SIZE, BLOCK_N, FULL_ROWS,
-                )
+            (
+                row_begin_b, row_end_b, visible_b, candidates_b, full_b, diagonal_b, dense_b, window_lo_b,
+                window_hi_b, light_b,
+            ) = _tile_geometry(
+                tile_b, cur_tiles, prefix, q_len, kv_len, group, window_tokens, dense_tail_tiles, min_sparse_kv_len,
+                TILE, BLOCK_SIZE, BLOCK_N, FULL_ROWS,
             )  # fmt: skip
             q_t_b, positions_b = _load_tile_rows(
                 q_ptr, keys_ptr, row_begin_b, row_end_b, prefix, q_start, head, group, stride_q_tok, stride_q_head,
@@ -657,40 +1121,33 @@ def _score_select_kernel(
             max_b = tl.full([BLOCK_N], float("-inf"), tl.float32)
             # One walk over the union of both tiles' candidates. A step runs unmasked when it is unmasked for
             # every tile that scores; a tile without candidates (dense, or absent) puts no limit on it: its
-            # energies there are never read (pass 2 reads only ids < its candidates, i.e. none).
+            # energies there are never read (pass 2 reads only ids < its candidates, i.e. none). The other steps
+            # mask by block id only (LIGHT_TAIL) when every row of both tiles sees every candidate of its tile.
             candidates_pair = tl.maximum(candidates_a, candidates_b)
             limit_a = tl.where(candidates_a == 0, candidates_pair, full_a)
             limit_b = tl.where(candidates_b == 0, candidates_pair, full_b)
             full_pair = tl.minimum(limit_a, limit_b)  # a multiple of BLOCK_N
-            if USE_WHILE:
-                c0 = zero
-                while c0 < full_pair:
-                    max_a, max_b = _pair_step(
-                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
-                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
-                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
-                    c0 += BLOCK_N
-                while c0 < candidates_pair:
-                    max_a, max_b = _pair_step(
-                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
-                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
-                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
-                    c0 += BLOCK_N
-            else:
-                for c0 in range(0, full_pair, BLOCK_N):
-                    max_a, max_b = _pair_step(
-                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
-                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
-                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
-                for c0 in range(full_pair, candidates_pair, BLOCK_N):
-                    max_a, max_b = _pair_step(
-                        q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b,
-                        candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
-                        BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2, MMA_STORE,
-                    )  # fmt: skip
+            max_a, max_b = _pair_walk(
+                q_t_a, q_t_b, keys_row, energies_a, energies_b, 0, full_pair, candidates_a, candidates_b,
+                candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False, FAST_LOG2, MMA_STORE, ROWS,
+                TREE_MAX, POLY, USE_WHILE,
+            )  # fmt: skip
+            split = full_pair
+            if LIGHT_TAIL:  # both loops always there, one empty (see _walk_tail)
+                split = tl.where(light_a & light_b, candidates_pair, full_pair)
+                max_a, max_b = _pair_walk(
+                    q_t_a, q_t_b, keys_row, energies_a, energies_b, full_pair, split, candidates_a, candidates_b,
+                    candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
+                    BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, 2, FAST_LOG2, MMA_STORE, ROWS,
+                    TREE_MAX, POLY, USE_WHILE,
+                )  # fmt: skip
+            max_a, max_b = _pair_walk(
+                q_t_a, q_t_b, keys_row, energies_a, energies_b, split, candidates_pair, candidates_a, candidates_b,
+                candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2, MMA_STORE, ROWS,
+                TREE_MAX, POLY, USE_WHILE,
+            )  # fmt: skip
             tl.debug_barrier()
             _select_tile(
                 energies_a, keep_bits_ptr + segment_a.to(tl.int64) * bits_stride, counts_ptr, segment_a, max_a, alpha,
@@ -705,7 +1162,12 @@ def _score_select_kernel(
                 )  # fmt: skip
         # The next unit overwrites this program's energies rows.
         tl.debug_barrier()
-        work += num_programs
+        if SNAKE:  # round r = units r P .. r P + P - 1: program p takes the p-th from the heavy end in even rounds,
+            # from the light end in odd ones
+            next_round = work // num_programs + 1
+            work = next_round * num_programs + tl.where(next_round % 2 == 0, pid, num_programs - 1 - pid)
+        else:
+            work += num_programs
 
     # ---- the last program to finish writes offsets[1:] = cumsum(counts) (ordering: see the module docstring)
     tl.debug_barrier()  # this program's count stores come before its increment
@@ -862,5 +1324,12 @@ def launch_score_select(
         TILES=knobs.tiles_per_program,
         MMA_STORE=knobs.mma_store and not interpret,
         SCAN=SCAN_COUNTS,
+        TREE_MAX=knobs.tree_max,
+        POLY=knobs.poly_exp2,
+        LIGHT_TAIL=knobs.light_tail,
+        SNAKE=knobs.snake_order,
+        PREFETCH=knobs.key_prefetch and knobs.tiles_per_program == 1,
+        GROUP=group if knobs.const_group else 0,
+        Q_PREFETCH=-(-head_dim * q.element_size() // 128) if knobs.q_prefetch and not interpret else 0,
         **launch,
     )

@@ -50,6 +50,42 @@ class ScoreTuning:
             instead of through a shared-memory layout change and a CTA barrier. CUDA only; the
             interpreter always takes the plain store. Measured 2.20 against 2.41 ms at 128K in one
             run, inside the default's run-to-run spread; off until confirmed.
+        tree_max: take each block's maximum over the tile's rows as a pairwise tree in registers (column ``j``
+            against ``j + R/2``, then ``j + R/4``, ...) instead of Triton's in-thread chain: for 128 rows the
+            dependent chain per block goes from 31 ``FMNMX`` (plus two shuffles) to 5 (plus the same two);
+            same instruction count, same values (a maximum does not depend on the order).
+        light_tail: in the steps after the unmasked ones (the last one or two of a tile), mask by block id
+            only, on the 64 per-block results, when every probed row sees every candidate of the tile (full
+            tiles whose positions do not cross a block start: always the case for 128 rows of ``g = 4`` at
+            ``Bk = 128``); otherwise mask per logit as before. Same values. Such a step is the unmasked step
+            plus a masked load and store (382 instead of 963 SASS instructions per warp at 128 rows, no spill
+            reloads), and it is one step in 2.5 at 32K, one in 8.5 at 128K.
+        snake_order: hand out the units (heaviest first) in rounds of ``P``, program ``p`` taking the ``p``-th
+            of a round from the heavy end in even rounds and from the light end in odd ones (boustrophedon),
+            instead of the ``p``-th in every round: with the plain order program 0 gets the heaviest unit of
+            every round and finishes last (about 16 steps of work more than the last program at 128K, 4 at
+            32K). Same index.
+        key_prefetch: load each step's pooled keys into registers one step ahead (and the first step's
+            before the query rows), instead of Triton's two-stage ``cp.async`` pipeline, which issues the
+            load of step ``i + 1`` at the end of step ``i`` and waits for it at the top of step ``i + 1``:
+            the L2 latency is then hidden behind a whole step. Costs 32 registers per thread for the keys
+            in flight and a register-to-shared copy of the keys per step (one more CTA barrier). One tile
+            per program only (ignored with ``tiles_per_program = 2``). Same index.
+        poly_exp2: compute part of each step's exponentials with a degree-5 polynomial on the FMA pipe
+            instead of ``MUFU.EX2`` (0: none; 1: a quarter of the columns, for tiles of 32 or more scored
+            rows; 2: half, 16 or more): a warp's 64 ``MUFU.EX2`` per step issue once per 8 cycles (the
+            SFU takes 16 results per clock per SM), 512 cycles of the step's serial chain; a quarter on the
+            FMA pipe leaves 384, the polynomial's 10 instructions per value filling issue slots the MUFU
+            stream leaves free. Not bit-identical: energies move by about 1e-7 relative (another exponential,
+            another summation order), so blocks within that of the threshold may flip.
+        const_group: compile the GQA group size ``g`` into the kernel (one compiled kernel per ``g``): the
+            PackGQA gather of a tile's query rows (``row // g``, ``row % g`` for the 16 rows a thread loads)
+            and the tile geometry then need no integer divisions (about 60 ``IABS``-based signed division
+            sequences per segment at ``g = 4``, a tenth of a segment's instructions at 32K). Same index.
+        q_prefetch: at the start of a unit, prefetch the query rows of the program's next unit into L2
+            (``prefetch.global.L2``, two 128-byte lines per row and thread at ``d = 128``): a unit's query
+            load (32 KB per 128-row tile, one pass over Q in all) otherwise waits for HBM, once per unit,
+            before its first GEMM. CUDA only (the interpreter skips it). Same index.
     """
 
     block_n: int = 64
@@ -63,6 +99,13 @@ class ScoreTuning:
     pair_maxnreg: int | None = None
     pair_num_stages: int = 3
     mma_store: bool = False
+    tree_max: bool = False
+    light_tail: bool = False
+    snake_order: bool = False
+    key_prefetch: bool = False
+    poly_exp2: int = 0
+    const_group: bool = False
+    q_prefetch: bool = False
 
     def programs_for(self, rows: int, head_dim: int = 128) -> int:
         """Persistent programs per SM for tiles of ``rows`` scored rows (padded to a power of two).
@@ -185,6 +228,8 @@ def set_tuning(*, score: ScoreTuning | None = None, pool: PoolTuning | None = No
             raise ValueError(
                 f"tiles_per_program must be 1 or 2, pair_programs_per_sm and pair_num_stages >= 1, got {score}"
             )
+        if score.poly_exp2 not in (0, 1, 2):
+            raise ValueError(f"poly_exp2 must be 0, 1 or 2, got {score}")
         SCORE = replace(score)
     if pool is not None:
         powers = (1, 2, 4, 8, 16)
