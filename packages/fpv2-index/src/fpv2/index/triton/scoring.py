@@ -731,6 +731,7 @@ def _pair_walk(
     TREE_MAX: tl.constexpr,
     POLY: tl.constexpr,
     USE_WHILE: tl.constexpr,
+    PIPELINE: tl.constexpr = True,
 ):
     """Pass-1 steps ``c_begin .. < c_end`` of two tiles (:func:`_pair_step`; loop forms as in :func:`_walk`)."""
     if USE_WHILE:
@@ -742,8 +743,15 @@ def _pair_walk(
                 BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, MASKED, FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY,
             )  # fmt: skip
             c0 += BLOCK_N
-    else:
+    elif PIPELINE:
         for c0 in range(c_begin, c_end, BLOCK_N):
+            max_a, max_b = _pair_step(
+                q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b, candidates_pair,
+                positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N,
+                BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, MASKED, FAST_LOG2, MMA_STORE, ROWS, TREE_MAX, POLY,
+            )  # fmt: skip
+    else:
+        for c0 in tl.range(c_begin, c_end, BLOCK_N, num_stages=1):
             max_a, max_b = _pair_step(
                 q_t_a, q_t_b, keys_row, energies_a, energies_b, c0, candidates_a, candidates_b, candidates_pair,
                 positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim, BLOCK_SIZE, BLOCK_N,
@@ -1133,21 +1141,27 @@ def _score_select_kernel(
                 BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, False, FAST_LOG2, MMA_STORE, ROWS,
                 TREE_MAX, POLY, USE_WHILE,
             )  # fmt: skip
-            split = full_pair
-            if LIGHT_TAIL:  # both loops always there, one empty (see _walk_tail)
+            if LIGHT_TAIL:  # both loops always there, one empty, neither pipelined (see _walk_tail)
                 split = tl.where(light_a & light_b, candidates_pair, full_pair)
                 max_a, max_b = _pair_walk(
                     q_t_a, q_t_b, keys_row, energies_a, energies_b, full_pair, split, candidates_a, candidates_b,
                     candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
                     BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, 2, FAST_LOG2, MMA_STORE, ROWS,
-                    TREE_MAX, POLY, USE_WHILE,
+                    TREE_MAX, POLY, USE_WHILE, False,
                 )  # fmt: skip
-            max_a, max_b = _pair_walk(
-                q_t_a, q_t_b, keys_row, energies_a, energies_b, split, candidates_pair, candidates_a, candidates_b,
-                candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block, head_dim,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2, MMA_STORE, ROWS,
-                TREE_MAX, POLY, USE_WHILE,
-            )  # fmt: skip
+                max_a, max_b = _pair_walk(
+                    q_t_a, q_t_b, keys_row, energies_a, energies_b, split, candidates_pair, candidates_a,
+                    candidates_b, candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block,
+                    head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2,
+                    MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE, False,
+                )  # fmt: skip
+            else:
+                max_a, max_b = _pair_walk(
+                    q_t_a, q_t_b, keys_row, energies_a, energies_b, full_pair, candidates_pair, candidates_a,
+                    candidates_b, candidates_pair, positions_a, positions_b, descale, max_a, max_b, stride_pk_block,
+                    head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, EVEN_D, DOT_KIND, HAS_Q_DESCALE, True, FAST_LOG2,
+                    MMA_STORE, ROWS, TREE_MAX, POLY, USE_WHILE,
+                )  # fmt: skip
             tl.debug_barrier()
             _select_tile(
                 energies_a, keep_bits_ptr + segment_a.to(tl.int64) * bits_stride, counts_ptr, segment_a, max_a, alpha,

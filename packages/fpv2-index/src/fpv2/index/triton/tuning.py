@@ -58,8 +58,8 @@ class ScoreTuning:
             only, on the 64 per-block results, when every probed row sees every candidate of the tile (full
             tiles whose positions do not cross a block start: always the case for 128 rows of ``g = 4`` at
             ``Bk = 128``); otherwise mask per logit as before. Same values. Such a step is the unmasked step
-            plus a masked load and store (382 instead of 963 SASS instructions per warp at 128 rows, no spill
-            reloads), and it is one step in 2.5 at 32K, one in 8.5 at 128K.
+            plus a masked load and store (about 440 instead of 963 SASS instructions per warp at 128 rows, no
+            spill reloads), and it is one step in 2.5 at 32K, one in 8.5 at 128K.
         snake_order: hand out the units (heaviest first) in rounds of ``P``, program ``p`` taking the ``p``-th
             of a round from the heavy end in even rounds and from the light end in odd ones (boustrophedon),
             instead of the ``p``-th in every round: with the plain order program 0 gets the heaviest unit of
@@ -80,8 +80,9 @@ class ScoreTuning:
             another summation order), so blocks within that of the threshold may flip.
         const_group: compile the GQA group size ``g`` into the kernel (one compiled kernel per ``g``): the
             PackGQA gather of a tile's query rows (``row // g``, ``row % g`` for the 16 rows a thread loads)
-            and the tile geometry then need no integer divisions (about 60 ``IABS``-based signed division
-            sequences per segment at ``g = 4``, a tenth of a segment's instructions at 32K). Same index.
+            and the tile geometry then need no integer divisions (signed division sequences, some 60
+            ``IABS`` per unit at ``g = 4``): a unit's instructions outside its steps go from about 1,800 to
+            1,000 at 32K (2,000 to 1,140 at 128K) and its spill stack from 192 to 0-8 bytes. Same index.
         q_prefetch: at the start of a unit, prefetch the query rows of the program's next unit into L2
             (``prefetch.global.L2``, two 128-byte lines per row and thread at ``d = 128``): a unit's query
             load (32 KB per 128-row tile, one pass over Q in all) otherwise waits for HBM, once per unit,
