@@ -287,6 +287,24 @@ def test_pair_kernel_takes_the_variants() -> None:
             _assert_identical(got, one)
 
 
+def test_variants_with_fp8_query_descales() -> None:
+    from test_triton_index import _fp8_inputs
+
+    w = planted_workload(
+        [40, 30], [400, 30], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, block_size=16,
+        fraction=0.25, margin=1.0, device=DEVICE,
+    )  # fmt: skip
+    q8, k8, _, q_ds, k_ds, _ = _fp8_inputs(w, 2)
+    config = _small_config(tile_size=32, dense_tail_tiles=0)
+    stats = pool_blocks_triton(k8, None, w.batch, block_size=16, k_descale=k_ds)
+    args = dict(q_descale=q_ds, k_descale=k_ds)
+    default = _select_variant({}, q8, w.batch, stats, config, **args)
+    _assert_identical(_select_variant({**EXACT, "key_prefetch": True}, q8, w.batch, stats, config, **args), default)
+    ratios = _reference_ratios(q8, w.batch, stats, config, q_descale=q_ds)
+    poly = _select_variant({**EXACT, "poly_exp2": 1}, q8, w.batch, stats, config, **args)
+    _compare(poly, default, ratios, config.alpha)
+
+
 # --------------------------------------------------------------------------- GPU (H200) tests
 @gpu
 @needs_cuda
