@@ -198,7 +198,12 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-SCORE = ScoreTuning()
+#: The package default: the bit-identical scoring variants together ("exact" of
+#: ``benchmarks/index_scoring_sweep.py``). H200, B=1, Hq/Hkv = 32/8, d = 128, planted, page 1
+#: (``results/2026-12-01-h200-index-scoring-sweep``): scoring kernel 1.929 -> 1.592 ms at 128K and
+#: 0.281 -> 0.198 ms at 32K, index call 2.24 -> 1.85 ms and 0.67 -> 0.40 ms, 0 (segment, block) pairs
+#: differing. ``key_prefetch`` on top helps 32K (0.171 ms) and hurts 128K (1.665 ms): left off.
+SCORE = ScoreTuning(mma_store=True, tree_max=True, light_tail=True, snake_order=True, const_group=True)
 POOL = PoolTuning()
 
 
