@@ -4,6 +4,10 @@
 #include "abi/errors.hpp"
 #include "hopper/toolchain.hpp"
 
+#if FPV2_HAVE_HOPPER_KERNEL
+#include "hopper/prefill_instances.hpp"
+#endif
+
 #ifndef FPV2_BUILD_CUDA_ARCHS
 #define FPV2_BUILD_CUDA_ARCHS "unknown"
 #endif
@@ -19,8 +23,9 @@ std::string make_build_info() {
   info += "; CUDA archs: " FPV2_BUILD_CUDA_ARCHS "; ";
   info += fpv2::hopper::toolchain_summary();
 #if FPV2_HAVE_HOPPER_KERNEL
-  info += "; Hopper attention kernel: built (sm_90a; bf16, head dim 128, any page size; dense, block-sparse and "
-          "mean correction)";
+  // "head dims 64, 128": the binding reads the built head dims from this phrase (hopper_head_dims()).
+  info += "; Hopper attention kernel: built (sm_90a; bf16, head dims " + fpv2::hopper::prefill_head_dims_text() +
+          "; any page size; dense, block-sparse and mean correction)";
 #else
   info += "; Hopper attention kernel: not built (this library validates arguments only)";
 #endif

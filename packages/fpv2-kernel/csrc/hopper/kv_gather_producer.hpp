@@ -16,20 +16,21 @@
 //
 // Each thread issues its copies of a K (then V) tile into a stage, then arrives on that stage's full
 // barrier when they have landed (cp.async.mbarrier.arrive.noinc; the barrier expects 128 arrivals in this
-// mode). The warpgroup runs in 24 registers (the consumers need the rest): cache rows are 32-bit and each
-// source address is formed just before its copies; ptxas still spills 4 bytes here (in the producer only:
-// the consumers' main loop has none). The consumers fence the async proxy after their wait before wgmma
-// reads the stage (cp.async writes through the generic proxy). The next tile's page id is read before
-// waiting for a free stage.
+// mode). The warpgroup runs in 24 registers (the consumers need the rest): cache rows are 32-bit, each
+// source address is formed just before its copies and the destinations are 32-bit shared addresses
+// (copy_row), which leaves ptxas nothing to spill here. The consumers fence the async proxy after their
+// wait before wgmma reads the stage (cp.async writes through the generic proxy). The next tile's page id
+// is read before waiting for a free stage.
 #pragma once
 
 #include <cstdint>
 
-#include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 
 #include "hopper/block_schedule.hpp"
 #include "hopper/kv_pipeline.hpp"
+#include "hopper/shared_copy.hpp"
+#include "hopper/shared_storage.hpp"
 
 namespace fpv2::hopper {
 
@@ -37,20 +38,33 @@ template <class Traits>
 struct KvGatherProducer {
   using Element = typename Traits::Element;
   static constexpr int kElementsPerChunk = 16 / int(sizeof(Element));        // 8 bf16 = 16 bytes
-  static constexpr int kChunksPerRow = Traits::kHeadDim / kElementsPerChunk;  // 16 for d = 128
+  static constexpr int kElementsPerSegment = 128 / int(sizeof(Element));     // one 128-byte swizzle row: 64
+  static constexpr int kChunksPerSegment = kElementsPerSegment / kElementsPerChunk;  // 8
+  static constexpr int kSegmentsPerRow = Traits::kHeadDim / kElementsPerSegment;     // 2 for d = 128, 1 for 64
+  static_assert(Traits::kHeadDim % kElementsPerSegment == 0, "rows are whole 128-byte swizzle segments");
+  static_assert(kSmemTileAlignment % 1024 == 0, "the chunk XOR needs 1024-byte aligned stage buffers");
   static_assert(Traits::kThreadsPerWarpGroup == Traits::kBlockN, "one producer thread per token row of a tile");
 
-  // One 16-byte copy per chunk of the thread's row: into K (row-major (N, d)) or V^T ((d, N)) of `stage`.
-  template <bool kTransposed, class Smem>
-  __device__ __forceinline__ static void copy_row(Smem& smem_tile, int stage, int row, Element const* src,
+  // One 16-byte copy per chunk of the thread's row: into K (row-major (N, d)) or V^T ((d, N)) of `stage`, at
+  // 32-bit shared addresses (with CuTe's 64-bit swizzled pointers ptxas spilled in 24 registers: 4 bytes at
+  // d = 128, 20 at d = 64). Within one 128-byte segment of a row the 128-byte swizzle permutes the eight
+  // chunks by XOR with the row's swizzle phase, so chunk k of a segment lies at the address of chunk 0 XOR
+  // 16 k (the stage buffers are 1024-byte aligned): one layout evaluation per segment, the rest immediates.
+  // fpv2_hopper_layout_check checks both facts on the layouts of every built head dim.
+  template <bool kTransposed>
+  __device__ __forceinline__ static void copy_row(Element* smem_tile, int stage, int row, Element const* src,
                                                   bool valid) {
+    using Layout = cute::conditional_t<kTransposed, typename Traits::SmemLayoutVt, typename Traits::SmemLayoutK>;
+    const uint32_t tile_address = cute::cast_smem_ptr_to_uint(smem_tile);
     CUTE_UNROLL
-    for (int c = 0; c < kChunksPerRow; ++c) {
-      Element* dst = kTransposed ? &smem_tile(c * kElementsPerChunk, row, stage)
-                                 : &smem_tile(row, c * kElementsPerChunk, stage);
-      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-          *reinterpret_cast<cute::uint128_t const*>(src + c * kElementsPerChunk),
-          *reinterpret_cast<cute::uint128_t*>(dst), valid);
+    for (int segment = 0; segment < kSegmentsPerRow; ++segment) {
+      const int col = segment * kElementsPerSegment;
+      const int first = kTransposed ? smem_offset<Layout>(col, row, stage) : smem_offset<Layout>(row, col, stage);
+      const uint32_t address = tile_address + uint32_t(first) * uint32_t(sizeof(Element));
+      CUTE_UNROLL
+      for (int k = 0; k < kChunksPerSegment; ++k) {
+        cp_async_16_zfill(address ^ uint32_t(16 * k), src + col + k * kElementsPerChunk, valid);
+      }
     }
   }
 
@@ -59,8 +73,6 @@ struct KvGatherProducer {
                              typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
-    Tensor sK = make_tensor(make_smem_ptr(smem.k), typename Traits::SmemLayoutK{});    // (N, d, stages)
-    Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename Traits::SmemLayoutVt{});  // (d, N, stages)
 
     int32_t const* pages = params.page_table + int64_t(tile.request) * params.page_table_stride;
     const int page_size = params.page_size;
@@ -86,10 +98,10 @@ struct KvGatherProducer {
       const int64_t row_v = valid ? int64_t(cache_row) * params.v_token_stride + head_offset : 0;
       // A zero-size copy reads nothing: the cache base stands in for rows past the request.
       pipeline_k.producer_wait_empty(state);
-      copy_row<false>(sK, state.stage, row, params.k_cache + row_k, valid);
+      copy_row<false>(smem.k, state.stage, row, params.k_cache + row_k, valid);
       pipeline_k.producer_commit_cp_async(state);
       pipeline_v.producer_wait_empty(state);
-      copy_row<true>(sVt, state.stage, row, params.v_cache + row_v, valid);
+      copy_row<true>(smem.v, state.stage, row, params.v_cache + row_v, valid);
       pipeline_v.producer_commit_cp_async(state);
       state.advance();
       cache_row = next_row;
@@ -103,10 +115,10 @@ struct KvGatherProducer {
         const bool valid = pooled_row < params.pooled_rows;
         const int64_t offset = valid ? pooled_row * params.cache_cols + head_offset : 0;
         pipeline_k.producer_wait_empty(state);
-        copy_row<false>(sK, state.stage, row, params.pooled_k + offset, valid);
+        copy_row<false>(smem.k, state.stage, row, params.pooled_k + offset, valid);
         pipeline_k.producer_commit_cp_async(state);
         pipeline_v.producer_wait_empty(state);
-        copy_row<true>(sVt, state.stage, row, params.pooled_v + offset, valid);
+        copy_row<true>(smem.v, state.stage, row, params.pooled_v + offset, valid);
         pipeline_v.producer_commit_cp_async(state);
         state.advance();
       }

@@ -1,8 +1,9 @@
 // An alternative cp.async gather of K/V for pages that are not a multiple of 128 (selected with
 // FPV2_HOPPER_GATHER=shared; the default is kv_gather_producer.hpp). Each producer thread looks up one
 // token's cache row (one page-table read per thread and tile, all in flight together) and publishes it in
-// a double-buffered shared array; after one named barrier of the producer warpgroup, sixteen consecutive
-// threads copy the sixteen 16-byte chunks of one row, so a warp reads two whole rows per instruction.
+// a double-buffered shared array; after one named barrier of the producer warpgroup, d / 8 consecutive
+// threads copy the d / 8 16-byte chunks of one row, so a warp reads whole rows per instruction (two at
+// d = 128, four at d = 64).
 //
 // Measured on the H200 (NOTES.md, 2026-12-01), page size 1: 540 ms dense at 128K (row per thread: 633),
 // but 33.1 ms at 32K (row: 25.9) and no faster sparse: each tile's page reads wait at the barrier, with
@@ -26,9 +27,9 @@ template <class Traits>
 struct KvSharedRowsGatherProducer {
   using Element = typename Traits::Element;
   static constexpr int kElementsPerChunk = 16 / int(sizeof(Element));                  // 8 bf16 = 16 bytes
-  static constexpr int kChunksPerRow = Traits::kHeadDim / kElementsPerChunk;            // 16 for d = 128
-  static constexpr int kRowsPerPass = Traits::kThreadsPerWarpGroup / kChunksPerRow;     // 8 for d = 128
-  static constexpr int kPasses = Traits::kBlockN / kRowsPerPass;                         // 16 for d = 128
+  static constexpr int kChunksPerRow = Traits::kHeadDim / kElementsPerChunk;            // 16 for d = 128, 8 for 64
+  static constexpr int kRowsPerPass = Traits::kThreadsPerWarpGroup / kChunksPerRow;     // 8 for d = 128, 16 for 64
+  static constexpr int kPasses = Traits::kBlockN / kRowsPerPass;                         // 16 for d = 128, 8 for 64
   static_assert(Traits::kThreadsPerWarpGroup % kChunksPerRow == 0, "a pass covers whole rows");
   static_assert(Traits::kBlockN % kRowsPerPass == 0, "the passes cover the tile's rows");
 

@@ -3,9 +3,10 @@
 //
 // Warp w of the producer warpgroup owns rows 32 w .. 32 w + 31 of each KV tile. Lane l looks up the cache
 // row of token 32 w + l once per tile (one coalesced page-table read per warp), one tile ahead so the read
-// is in flight while the stage before is being filled. The copies then take two rows per instruction:
-// lanes 0-15 copy the sixteen 16-byte chunks of one row, lanes 16-31 those of the next, and each lane gets
-// its row's cache index from the owning lane by a warp shuffle.
+// is in flight while the stage before is being filled. The copies then take 32 / (d / 8) rows per
+// instruction: at d = 128 lanes 0-15 copy the sixteen 16-byte chunks of one row and lanes 16-31 those of the
+// next (at d = 64, four rows of eight lanes each), and each lane gets its row's cache index from the owning
+// lane by a warp shuffle.
 //
 // Measured on the H200 (benchmarks/NOTES.md, 2026-12-01), page size 1: with one row per thread
 // (kv_gather_producer.hpp) every 16-byte copy is half of a 32-byte sector of a different line and the L2
@@ -36,8 +37,8 @@ template <class Traits>
 struct KvWarpGatherProducer {
   using Element = typename Traits::Element;
   static constexpr int kElementsPerChunk = 16 / int(sizeof(Element));        // 8 bf16 = 16 bytes
-  static constexpr int kChunksPerRow = Traits::kHeadDim / kElementsPerChunk;  // 16 for d = 128
-  static constexpr int kRowsPerInstruction = 32 / kChunksPerRow;              // 2 for d = 128
+  static constexpr int kChunksPerRow = Traits::kHeadDim / kElementsPerChunk;  // 16 for d = 128, 8 for 64
+  static constexpr int kRowsPerInstruction = 32 / kChunksPerRow;              // 2 for d = 128, 4 for 64
   static constexpr int kRowsPerWarp = 32;
   static_assert(32 % kChunksPerRow == 0, "a warp instruction covers whole rows");
   static_assert(Traits::kThreadsPerWarpGroup == Traits::kBlockN, "one owning lane per token row of a tile");

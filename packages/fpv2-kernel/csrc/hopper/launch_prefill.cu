@@ -216,8 +216,8 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   if (!prefill_head_dim_built(static_cast<int>(head_dim))) {
     return fail(FPV2_ERROR_UNSUPPORTED,
                 format("fpv2_prefill_args_t.q: head dim d=%lld has no compiled Hopper instantiation in this "
-                       "build (built: d=128); got %s",
-                       ll(head_dim), describe(q).c_str()));
+                       "build (built: d=%s); got %s",
+                       ll(head_dim), prefill_head_dims_text().c_str(), describe(q).c_str()));
   }
   const int64_t num_q_heads = q.shape[1];
   const int64_t num_kv_heads = args.k_cache.shape[2];
@@ -321,11 +321,16 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
     plan.block_lengths = static_cast<const int32_t*>(c.block_lengths.data);
   }
 
+  // One case per entry of kPrefillHeadDims (prefill_instances.hpp).
   switch (plan.head_dim) {
+    case 64:
+      return run_prefill<64>(plan, stream);
     case 128:
       return run_prefill<128>(plan, stream);
     default:
-      return fail(FPV2_ERROR_INTERNAL, format("fpv2 Hopper prefill: no dispatch for d=%d", plan.head_dim));
+      return fail(FPV2_ERROR_INTERNAL, format("fpv2 Hopper prefill: head dim d=%d is listed as built (d=%s) but has "
+                                              "no dispatch",
+                                              plan.head_dim, prefill_head_dims_text().c_str()));
   }
 }
 

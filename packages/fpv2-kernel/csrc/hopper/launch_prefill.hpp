@@ -13,14 +13,15 @@ namespace fpv2::hopper {
 // args.index, block-sparse over the CSR index with it, plus the mean correction with args.correction.
 //
 // Precondition: `args` passed fpv2::detail::validate_prefill_args (fpv2_prefill validates first).
-// Serves: bf16 q/k/v/out, head dim 128, any page size (TMA tiles when page_size % 128 == 0, a cp.async
-// gather otherwise), block_size 128, bf16 pooled
+// Serves: bf16 q/k/v/out, the head dims of kPrefillHeadDims (prefill_instances.hpp: 64 and 128), any page
+// size (TMA tiles when page_size % 128 == 0, a cp.async gather otherwise), block_size 128, bf16 pooled
 // statistics (the todo masks, if given, are not read: the kernel derives the same bits), requests of at
 // most kMaxCorrectionBlocks blocks with the correction, caches whose pages stack into one row-major
 // (num_pages * page_size, Hkv * d) matrix, 16-byte aligned q/k/v and 4-byte aligned out, on a compute
-// capability 9.0 device. Anything else is refused with
-// FPV2_ERROR_UNSUPPORTED (or FPV2_ERROR_INVALID_ARGUMENT for misaligned data) and a message naming the
-// argument; nothing is launched then. Returns an fpv2_status_t and sets the thread's last error.
+// capability 9.0 device. Anything else is refused with FPV2_ERROR_UNSUPPORTED (or
+// FPV2_ERROR_INVALID_ARGUMENT for misaligned data) and a message naming the argument (for a head dim
+// without an instantiation, the head dim and the built ones); nothing is launched then. Returns an
+// fpv2_status_t and sets the thread's last error.
 int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream);
 
 }  // namespace fpv2::hopper

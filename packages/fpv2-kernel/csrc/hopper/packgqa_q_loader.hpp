@@ -21,9 +21,9 @@ template <class Traits>
 struct PackGqaQueryLoader {
   using Element = typename Traits::Element;
   static constexpr int kElementsPerChunk = 16 / int(sizeof(Element));            // 8 bf16 = 16 bytes
-  static constexpr int kChunksPerRow = Traits::kHeadDim / kElementsPerChunk;      // 16 for d = 128
-  static constexpr int kRowsPerPass = Traits::kThreadsPerWarpGroup / kChunksPerRow;  // 8 for d = 128
-  static constexpr int kPasses = Traits::kRowsPerConsumer / kRowsPerPass;         // 8 for d = 128
+  static constexpr int kChunksPerRow = Traits::kHeadDim / kElementsPerChunk;      // 16 for d = 128, 8 for 64
+  static constexpr int kRowsPerPass = Traits::kThreadsPerWarpGroup / kChunksPerRow;  // 8 for d = 128, 16 for 64
+  static constexpr int kPasses = Traits::kRowsPerConsumer / kRowsPerPass;         // 8 for d = 128, 4 for 64
   static_assert(Traits::kThreadsPerWarpGroup % kChunksPerRow == 0, "a pass covers whole rows");
   static_assert(Traits::kRowsPerConsumer % kRowsPerPass == 0, "the passes cover the warpgroup's rows");
 

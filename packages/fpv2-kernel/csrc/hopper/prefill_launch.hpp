@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -20,6 +21,9 @@
 #include "hopper/shared_storage.hpp"
 
 namespace fpv2::hopper {
+
+// The opt-in limit of dynamic shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+inline constexpr std::size_t kMaxDynamicSharedMemory = 227 * 1024;
 
 namespace detail {
 
@@ -49,9 +53,11 @@ inline int32_t check_tensor_map_entry_point() {
 template <int kHeadDim>
 int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
   using namespace cute;
-  using Traits = PrefillTraits<kHeadDim>;
+  using Traits = PrefillTraitsFor<kHeadDim>;
   using Params = PrefillParams<Traits>;
   using Element = typename Traits::Element;
+  static_assert(prefill_smem_bytes<Traits>() <= kMaxDynamicSharedMemory,
+                "the K/V stages of prefill_stages() exceed the 227 KB of shared memory of one CTA");
 
   if (plan.head_dim != kHeadDim) {
     return fpv2::detail::fail(FPV2_ERROR_INTERNAL,

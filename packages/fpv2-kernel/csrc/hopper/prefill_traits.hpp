@@ -7,6 +7,9 @@
 //            pages that are not a multiple of 128, the whole warpgroup gathers them with cp.async);
 //   WG1, WG2 consumers: each owns 64 of the 128 query rows (QK^T SS wgmma, online softmax, PV RS wgmma).
 // This first step is neither persistent nor pingponged; see prefill_kernel.hpp for what comes next.
+//
+// Head dims: the layouts, MMAs and copies below are written for any multiple of 64; the compiled ones are
+// listed in prefill_instances.hpp, each with the stage count of prefill_stages().
 #pragma once
 
 #include <cute/arch/mma_sm90.hpp>
@@ -18,6 +21,20 @@
 #include "fpv2/fpv2.h"
 
 namespace fpv2::hopper {
+
+// K/V pipeline stages of the instantiation for `head_dim`, from the shared-memory budget. One CTA runs per
+// SM (its 384 threads take the whole register file), so the storage may use the opt-in limit of 227 KB
+// (232448 bytes); prefill_launch.hpp asserts it. PrefillSharedStorage holds, besides the stages, the Q tile
+// (128 x d bf16), the correction's per-tile table T of kMaxCorrectionBlocks entries (16 KB as byte lengths,
+// 64 KB as float shifts), the shared-rows gather's row table (1 KB), the barriers, the rounding of the
+// 1024-byte aligned struct and 1 KB of slack to align its base. A stage is one K and one V tile of 128 x d
+// bf16: 64 KB at d = 128, 32 KB at d = 64.
+//   d = 128: 32 KB of Q + T + 2 stages = 179 KB (T = 16 KB) / 227 KB (T = 64 KB); a third stage never fits.
+//   d = 64:  16 KB of Q + T + 4 stages = 163 KB / 211 KB. A fifth stage (195 KB / 243 KB) fits only with the
+//            byte table. Four stages keep the d = 128 instantiation's 128 KB of K/V in flight, three tiles
+//            ahead of the consumers (each tile half as long as at d = 128).
+//   other:   0 (none chosen): at d = 256 the Q tile and two 128 KB stages alone exceed the limit.
+constexpr int prefill_stages(int head_dim) { return head_dim == 64 ? 4 : (head_dim == 128 ? 2 : 0); }
 
 template <int kHeadDim_, int kStages_ = 2>
 struct PrefillTraits {
@@ -88,5 +105,9 @@ struct PrefillTraits {
   static_assert(cute::cosize_v<SmemLayoutKStage> * int(sizeof(Element)) == kTileBytesK, "K stage is one dense tile");
   static_assert(cute::cosize_v<SmemLayoutVtStage> * int(sizeof(Element)) == kTileBytesV, "V stage is one dense tile");
 };
+
+// The traits of the compiled instantiation for head dim kHeadDim.
+template <int kHeadDim>
+using PrefillTraitsFor = PrefillTraits<kHeadDim, prefill_stages(kHeadDim)>;
 
 }  // namespace fpv2::hopper

@@ -1,4 +1,5 @@
-// Instantiation: causal prefill (dense, block-sparse, corrected), bf16, head dim 128, any page size.
+// Instantiation: causal prefill (dense, block-sparse, corrected), bf16, head dim 128, any page size; two K/V
+// stages (prefill_stages(128), prefill_traits.hpp).
 #include "hopper/prefill_launch.hpp"
 
 namespace fpv2::hopper {

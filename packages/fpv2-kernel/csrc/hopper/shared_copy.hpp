@@ -1,0 +1,30 @@
+// A 16-byte cp.async from global memory into a 32-bit shared-memory address, zero-filling when `valid` is
+// false (a zero-size source reads nothing, so any valid address stands in as `src`), and the element offsets
+// of the swizzled shared-memory layouts as plain integers. The gather producer (kv_gather_producer.hpp)
+// forms its destinations from these in 32-bit arithmetic: CuTe's swizzled smem pointers are 64-bit generic
+// pointers, which cost ptxas pairs of registers per chunk in the producer's 24.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/pointer_flagged.hpp>
+#include <cute/tensor.hpp>
+
+namespace fpv2::hopper {
+
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_address, void const* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_address), "l"(src),
+               "r"(valid ? 16u : 0u)
+               : "memory");
+}
+
+// Element offset of `coord` in a buffer with the swizzled shared-memory layout SmemLayout (a GMMA swizzle
+// atom tiled over the buffer): the swizzle acts on address bits, so the offset is exact for buffers whose
+// base is aligned to the swizzle's period (1024 bytes for the 128-byte swizzle: PrefillSharedStorage). The
+// host layout check compares it with CuTe's swizzled pointers.
+template <class SmemLayout, class... Coords>
+CUTE_HOST_DEVICE int smem_offset(Coords... coords) {
+  return int(cute::as_position_independent_swizzle_layout(SmemLayout{})(coords...));
+}
+
+}  // namespace fpv2::hopper
