@@ -7,24 +7,31 @@
 //   2. S and O rows of a thread coincide (the softmax rescales O rows with S-row statistics), each thread's
 //      rows lie in its consumer warpgroup's 64-row half, and the epilogue's pairs (j, j + 1) are adjacent
 //      columns of one row;
-//   3. 16-byte chunks (8 bf16) of Q rows and of V^T columns stay contiguous and 16-byte aligned in the
-//      swizzled shared-memory layouts (cp.async of Q and the V tail clearing write such chunks);
+//   3. 16-byte chunks (8 bf16) of Q and K rows and of V^T columns stay contiguous and 16-byte aligned in the
+//      swizzled shared-memory layouts (cp.async of Q, the K/V gather and the V tail clearing write such chunks),
+//      the 32-bit offsets of smem_offset() (the row gather's destinations) are the addresses of CuTe's
+//      swizzled pointers into a 1024-byte aligned buffer, in every stage, and chunk k of a 64-element
+//      segment is chunk 0 XOR 8 k elements (the row gather's per-chunk addresses);
 //   4. TileGeometry's block range against brute force over every row and column: n_block_max is exact, no
 //      block below n_block_masked hides a column from any row, and the tail-block test matches.
-// Prints the layouts it used and exits 1 on the first class of failure it reports.
+// Checks 1-3 run for the traits of every built head dim (kPrefillHeadDims), which also prints the shared
+// memory each instantiation asks for. Prints the layouts it used and exits 1 if any check failed.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <random>
 
 #include <cute/tensor.hpp>
 
 #include "hopper/prefill_traits.hpp"
 #include "hopper/fragment_layouts.hpp"
+#include "hopper/prefill_instances.hpp"
+#include "hopper/shared_copy.hpp"
+#include "hopper/shared_storage.hpp"
 #include "hopper/tile_geometry.hpp"
 
 using namespace cute;
-using Traits = fpv2::hopper::PrefillTraits<128>;
 
 namespace {
 
@@ -37,6 +44,7 @@ void expect(bool ok, const char* what, long a = 0, long b = 0, long c = 0) {
   }
 }
 
+template <class Traits>
 void check_p_operand() {
   using TileS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
   typename Traits::TiledMmaQK mma_qk;
@@ -70,6 +78,7 @@ void check_p_operand() {
   }
 }
 
+template <class Traits>
 void check_rows() {
   using TileS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
   using TileO = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
@@ -125,21 +134,84 @@ void check_chunks(const char* name, SmemLayout layout, Index index, int outer, i
   }
 }
 
+// smem_offset<Layout>(coord) against the element offset of &tensor(coord) for a tensor of CuTe's swizzled
+// shared-memory pointers at a 1024-byte aligned (never dereferenced) base: the swizzle acts on address bits.
+template <class SmemLayout, class Coord>
+void expect_offset_matches_pointer(const char* name, Coord const& coord, long a, long b, long c) {
+  using Element = cutlass::bfloat16_t;  // the kernel's element type
+  Element* const base = reinterpret_cast<Element*>(uintptr_t(1) << 20);
+  Tensor t = make_tensor(make_smem_ptr(base), SmemLayout{});
+  const long pointer_offset = long(raw_pointer_cast(&t(coord)) - base);
+  expect(fpv2::hopper::smem_offset<SmemLayout>(coord) == pointer_offset, name, a, b, c);
+}
+
+template <class Traits>
 void check_smem_chunks() {
+  using LayoutQ = typename Traits::SmemLayoutQ;
+  using LayoutK = typename Traits::SmemLayoutK;
+  using LayoutVt = typename Traits::SmemLayoutVt;
   std::printf("SmemLayoutQ : ");
-  print(typename Traits::SmemLayoutQ{});
+  print(LayoutQ{});
   std::printf("\nSmemLayoutVt: ");
-  print(typename Traits::SmemLayoutVt{});
+  print(LayoutVt{});
   std::printf("\n");
-  check_chunks("Q chunk (row, col) contiguous and aligned", typename Traits::SmemLayoutQ{},
-               [](auto const& l, int row, int col) { return long(l(row, col)); }, Traits::kBlockM, Traits::kHeadDim);
+  // The chunks are checked on the element offsets the hardware sees (the swizzle of address bits, in
+  // elements), i.e. smem_offset, which is itself checked against CuTe's swizzled pointers below.
+  check_chunks("Q chunk (row, col) contiguous and aligned", LayoutQ{},
+               [](auto const&, int row, int col) { return long(fpv2::hopper::smem_offset<LayoutQ>(row, col)); },
+               Traits::kBlockM, Traits::kHeadDim);
+  // Stage s of K and of V^T is the s-th dense tile: TMA boxes and wgmma descriptors address it from a
+  // 1024-byte aligned base (the 128-byte swizzle repeats every 8 rows of 128 bytes).
+  constexpr long kTileElems = long(Traits::kBlockN) * Traits::kHeadDim;
   for (int stage = 0; stage < Traits::kStages; ++stage) {
-    check_chunks("V^T chunk (col..col+7, kv) contiguous and aligned", typename Traits::SmemLayoutVt{},
-                 [stage](auto const& l, int kv, int col) { return long(l(col, kv, stage)); }, Traits::kBlockN,
-                 Traits::kHeadDim);
+    const long k_base = fpv2::hopper::smem_offset<LayoutK>(0, 0, stage);
+    const long v_base = fpv2::hopper::smem_offset<LayoutVt>(0, 0, stage);
+    expect(k_base == stage * kTileElems && (k_base * 2) % 1024 == 0, "K stage base: stage, offset", stage, k_base);
+    expect(v_base == stage * kTileElems && (v_base * 2) % 1024 == 0, "V^T stage base: stage, offset", stage, v_base);
+  }
+  for (int stage = 0; stage < Traits::kStages; ++stage) {
+    // The cp.async gather producers write K rows and V^T columns in such chunks, into every stage.
+    check_chunks("K chunk (row, col..col+7) contiguous and aligned", LayoutK{},
+                 [stage](auto const&, int row, int col) {
+                   return long(fpv2::hopper::smem_offset<LayoutK>(row, col, stage));
+                 },
+                 Traits::kBlockN, Traits::kHeadDim);
+    check_chunks("V^T chunk (col..col+7, kv) contiguous and aligned", LayoutVt{},
+                 [stage](auto const&, int kv, int col) {
+                   return long(fpv2::hopper::smem_offset<LayoutVt>(col, kv, stage));
+                 },
+                 Traits::kBlockN, Traits::kHeadDim);
+    // The row gather (kv_gather_producer.hpp) addresses chunk k of a 64-element segment as chunk 0 XOR 16 k
+    // bytes (8 k elements).
+    for (int row = 0; row < Traits::kBlockN; ++row) {
+      for (int col = 0; col < Traits::kHeadDim; col += 8) {
+        const int first = col - col % 64, k = (col % 64) / 8;
+        expect(fpv2::hopper::smem_offset<LayoutK>(row, col, stage) ==
+                   (fpv2::hopper::smem_offset<LayoutK>(row, first, stage) ^ (8 * k)),
+               "K chunk k of a segment = chunk 0 XOR 8 k: row, col, stage", row, col, stage);
+        expect(fpv2::hopper::smem_offset<LayoutVt>(col, row, stage) ==
+                   (fpv2::hopper::smem_offset<LayoutVt>(first, row, stage) ^ (8 * k)),
+               "V^T chunk k of a segment = chunk 0 XOR 8 k: kv, col, stage", row, col, stage);
+      }
+    }
+    for (int row = 0; row < Traits::kBlockN; ++row) {
+      for (int col = 0; col < Traits::kHeadDim; ++col) {
+        expect_offset_matches_pointer<LayoutK>("K smem_offset = swizzled pointer: row, col, stage",
+                                               make_coord(row, col, stage), row, col, stage);
+        expect_offset_matches_pointer<LayoutVt>("V^T smem_offset = swizzled pointer: kv, col, stage",
+                                                make_coord(col, row, stage), row, col, stage);
+      }
+    }
+  }
+  for (int row = 0; row < Traits::kBlockM; ++row) {
+    for (int col = 0; col < Traits::kHeadDim; ++col) {
+      expect_offset_matches_pointer<LayoutQ>("Q smem_offset = swizzled pointer: row, col", make_coord(row, col), row,
+                                             col, 0);
+    }
   }
 }
 
+template <class Traits>
 void check_geometry() {
   using Geometry = fpv2::hopper::TileGeometry<Traits::kBlockM, Traits::kBlockN>;
   constexpr int N = Traits::kBlockN;
@@ -190,26 +262,60 @@ void check_geometry() {
   std::printf("geometry: %d tiles checked\n", tiles);
 }
 
-}  // namespace
+using Check = void (*)();
+struct NamedCheck {
+  const char* name;
+  Check run;
+};
 
-int main() {
-  std::printf("fpv2 Hopper prefill: host layout and geometry checks (d=%d, tile %dx%d)\n", Traits::kHeadDim,
-              Traits::kBlockM, Traits::kBlockN);
-  struct Check {
-    const char* name;
-    void (*run)();
-  } checks[] = {{"P registers as PV A operand", check_p_operand},
-                {"S/O rows and epilogue pairs", check_rows},
-                {"shared-memory 16-byte chunks", check_smem_chunks},
-                {"tile geometry vs brute force", check_geometry}};
+int run_checks(const char* title, std::initializer_list<NamedCheck> checks) {
+  std::printf("%s\n", title);
   int failed = 0;
-  for (const Check& c : checks) {
+  for (const NamedCheck& c : checks) {
     const int before = g_failures;
     c.run();
     const bool ok = g_failures == before;
     failed += ok ? 0 : 1;
     std::printf("%s %s\n", ok ? "PASS" : "FAIL", c.name);
   }
+  return failed;
+}
+
+// The register and shared-memory checks of the instantiation for head dim kHeadDim.
+template <int kHeadDim>
+int check_head_dim() {
+  using Traits = fpv2::hopper::PrefillTraitsFor<kHeadDim>;
+  char title[160];
+  std::snprintf(title, sizeof(title), "--- d=%d: tile %dx%d, %d K/V stages, %zu bytes of shared memory", kHeadDim,
+                Traits::kBlockM, Traits::kBlockN, Traits::kStages, fpv2::hopper::prefill_smem_bytes<Traits>());
+  return run_checks(title, {{"P registers as PV A operand", check_p_operand<Traits>},
+                            {"S/O rows and epilogue pairs", check_rows<Traits>},
+                            {"shared-memory 16-byte chunks", check_smem_chunks<Traits>}});
+}
+
+// Every built head dim must have its case here.
+int check_built_head_dim(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return check_head_dim<64>();
+    case 128:
+      return check_head_dim<128>();
+    default:
+      std::printf("FAIL d=%d is built (kPrefillHeadDims) but has no layout check\n", head_dim);
+      return 1;
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::printf("fpv2 Hopper prefill: host layout and geometry checks (built head dims: %s)\n",
+              fpv2::hopper::prefill_head_dims_text().c_str());
+  int failed = 0;
+  for (int d : fpv2::hopper::kPrefillHeadDims) failed += check_built_head_dim(d);
+  // The tile geometry does not depend on the head dim.
+  using AnyTraits = fpv2::hopper::PrefillTraitsFor<fpv2::hopper::kPrefillHeadDims[0]>;
+  failed += run_checks("--- tile geometry", {{"tile geometry vs brute force", check_geometry<AnyTraits>}});
   std::printf("layout check: %s (%d failed check(s))\n", failed ? "FAIL" : "PASS", failed);
   return failed ? 1 : 0;
 }

@@ -3,20 +3,22 @@
 // -DFPV2_BUILD_HOPPER_KERNEL=ON.
 //
 //   fpv2_hopper_prefill_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10]
-//                          [--keep 0.03] [--batch 1] [--page-size 128] [--seed N]
+//                          [--keep 0.03] [--batch 1] [--page-size 128] [--head-dim 128] [--seed N]
 //
-//   correctness  the refusal checks, then a grid of cases (B in {1, 3}, GQA 1/3/4/8, page sizes 128/256,
-//                lengths up to 4K with and without a cached prefix, padded strides, an explicit scale), each
-//                run dense, block-sparse (random CSR, diagonal band kept) and block-sparse with the mean
-//                correction: each run poisons out/lse with NaN, runs the kernel and compares every output and
-//                lse with a naive fp32 reference kernel; also counts stray writes outside the outputs.
-//   small        one small case (for compute-sanitizer).
-//   timing       B = --batch (1) requests of L tokens (L in --lengths), Hq=32, Hkv=8, d=128, page --page-size
-//                (128): median of --repeats runs (CUDA events)
+//   correctness  the refusal checks, then a grid of cases for every built head dim (kPrefillHeadDims:
+//                B in {1, 3}, GQA 1/3/4/8, page sizes 1/16/24/64/128/256, lengths up to 4K with and without a
+//                cached prefix, padded strides, an explicit scale), each run dense, block-sparse (random CSR,
+//                diagonal band kept) and block-sparse with the mean correction: each run poisons out/lse with
+//                NaN, runs the kernel and compares every output and lse with a naive fp32 reference kernel;
+//                also counts stray writes outside the outputs. Each case line names its head dim (d=...).
+//   small        two small cases (TMA and gather) per built head dim (for compute-sanitizer).
+//   timing       B = --batch (1) requests of L tokens (L in --lengths), Hq=32, Hkv=8, d = --head-dim (128,
+//                one of the built head dims), page --page-size (128): median of --repeats runs (CUDA events)
 //                and TFLOP/s with the causal convention 4 * B * Hq * L^2 * d / 2, dense, then sparse at
 //                --keep (a random CSR of about that density) without and with the correction; plus a
 //                reference check on 16 sampled query tokens each.
-//   refusals     only the configurations the kernel must refuse (no GPU needed).
+//   refusals     only the configurations the kernel must refuse (no GPU needed), among them every head dim
+//                the ABI accepts (64, 128, 256) without a compiled instantiation.
 // --seed N offsets every case's fill seed (fresh inputs per run; the seed is printed for reproduction).
 // Exit status 0 when every case passes, 1 otherwise (2 on a CUDA error).
 #include <algorithm>
@@ -34,6 +36,7 @@
 #include "abi/errors.hpp"
 #include "error_stats.cuh"
 #include "hopper/launch_prefill.hpp"
+#include "hopper/prefill_instances.hpp"
 #include "paged_case.cuh"
 #include "reference_attention.cuh"
 #include "sparse_case.cuh"
@@ -43,7 +46,6 @@ namespace nt = fpv2::native_test;
 
 namespace {
 
-constexpr int kHeadDim = 128;
 constexpr float kMaxAbsErr = 1e-2f;   // bf16 output and bf16 P: about 4e-3 expected at |O| <= 1
 constexpr double kMaxRelRms = 5e-3;   // bf16 rounding of the output alone is ~1.6e-3
 constexpr float kMaxLseErr = 1e-3f;   // fp32 scores from the same bf16 inputs: ~1e-5 expected
@@ -88,24 +90,40 @@ int32_t run_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, cudaStr
   return status;
 }
 
+// The reference kernel for head dim `head_dim` (one instantiation per built head dim); false if none.
+bool launch_reference(int head_dim, unsigned blocks, const nt::ReferenceProblem& p, const int32_t* tokens,
+                      int32_t num_tokens, float* out_ref, float* lse_ref) {
+  switch (head_dim) {
+    case 64:
+      nt::reference_attention<64><<<blocks, 32>>>(p, tokens, num_tokens, out_ref, lse_ref);
+      return true;
+    case 128:
+      nt::reference_attention<128><<<blocks, 32>>>(p, tokens, num_tokens, out_ref, lse_ref);
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Reference for `tokens`, then the comparison and the stray-write count.
 nt::ErrorStats compare_with_reference(const nt::PagedCase& c, const nt::SparseCase* sparse,
                                       const std::vector<int32_t>& tokens, float scale) {
   const int Hq = c.num_q_heads();
+  const int head_dim = c.spec().head_dim;
   const int64_t rows = int64_t(tokens.size()) * Hq;
   nt::DeviceBuffer<int32_t> tokens_dev(int64_t(tokens.size()));
   tokens_dev.upload(tokens);
-  nt::DeviceBuffer<float> out_ref(rows * kHeadDim);
+  nt::DeviceBuffer<float> out_ref(rows * head_dim);
   nt::DeviceBuffer<float> lse_ref(rows);
   nt::ReferenceProblem p{};
   p.q = c.q();
   p.q_token_stride = c.q_token_stride();
-  p.q_head_stride = kHeadDim;
+  p.q_head_stride = head_dim;
   p.k_cache = c.k_cache();
   p.v_cache = c.v_cache();
   p.cache_page_stride = int64_t(c.spec().page_size) * c.cache_row_elems();
   p.cache_token_stride = c.cache_row_elems();
-  p.cache_head_stride = kHeadDim;
+  p.cache_head_stride = head_dim;
   p.page_table = c.page_table_dev();
   p.page_table_stride = c.max_pages();
   p.page_size = c.spec().page_size;
@@ -128,18 +146,22 @@ nt::ErrorStats compare_with_reference(const nt::PagedCase& c, const nt::SparseCa
     }
   }
   // One warp per block: the sampled timing check has few rows, each a long loop; spread them over SMs.
-  nt::reference_attention<kHeadDim><<<unsigned((rows + 31) / 32), 32>>>(p, tokens_dev.get(), int32_t(tokens.size()),
-                                                                        out_ref.get(), lse_ref.get());
+  if (!launch_reference(head_dim, unsigned((rows + 31) / 32), p, tokens_dev.get(), int32_t(tokens.size()),
+                        out_ref.get(), lse_ref.get())) {
+    std::fprintf(stderr, "hopper_prefill_test: no reference kernel for d=%d (add it to launch_reference)\n",
+                 head_dim);
+    std::exit(2);
+  }
   FPV2_TEST_CUDA(cudaGetLastError());
 
   nt::DeviceBuffer<nt::ErrorStats> stats_dev(1);
   FPV2_TEST_CUDA(cudaMemset(stats_dev.get(), 0, sizeof(nt::ErrorStats)));
-  const int64_t elems = rows * kHeadDim;
+  const int64_t elems = rows * head_dim;
   nt::compare_outputs<<<unsigned((elems + 255) / 256), 256>>>(
-      c.out(), c.out_token_stride(), kHeadDim, c.lse(), Hq, out_ref.get(), lse_ref.get(), tokens_dev.get(),
-      int32_t(tokens.size()), Hq, kHeadDim, stats_dev.get());
+      c.out(), c.out_token_stride(), head_dim, c.lse(), Hq, out_ref.get(), lse_ref.get(), tokens_dev.get(),
+      int32_t(tokens.size()), Hq, head_dim, stats_dev.get());
   nt::count_stray_bf16<<<nt::fill_blocks(c.out_elems()), 256>>>(c.out(), c.out_elems(), c.total_q(),
-                                                                 c.out_token_stride(), int64_t(Hq) * kHeadDim,
+                                                                 c.out_token_stride(), int64_t(Hq) * head_dim,
                                                                  stats_dev.get());
   nt::count_stray_f32<<<nt::fill_blocks(c.lse_elems()), 256>>>(c.lse(), c.lse_elems(), c.total_q() * Hq,
                                                                 stats_dev.get());
@@ -166,18 +188,18 @@ void print_outcome(const nt::PagedCase& c, const nt::SparseCase* sparse, const O
   const std::string mode = sparse == nullptr ? "dense" : (sparse->correction() ? "sparse+corr" : "sparse");
   std::vector<int> k(c.seqlens_k().begin(), c.seqlens_k().end());
   const double rel_rms = o.stats.sum_sq_ref > 0 ? std::sqrt(o.stats.sum_sq_err / o.stats.sum_sq_ref) : 0.0;
-  std::printf("[%s] %-28s %-11s B=%d Hq/Hkv=%d/%d page=%d q=[%s] k=[%s] | max|err|=%.3e (max|ref|=%.3f) "
+  std::printf("[%s] %-32s %-11s d=%d B=%d Hq/Hkv=%d/%d page=%d q=[%s] k=[%s] | max|err|=%.3e (max|ref|=%.3f) "
               "rel_rms=%.3e lse_err=%.3e nonfinite=%llu/%llu stray=%llu | %.3f ms\n",
-              o.pass ? "PASS" : "FAIL", sp.name.c_str(), mode.c_str(), c.num_requests(), c.num_q_heads(), sp.num_kv_heads,
-              sp.page_size, join(sp.q_lens).c_str(), join(k).c_str(), o.stats.max_abs_err, o.stats.max_abs_ref,
-              rel_rms, o.stats.max_lse_err, o.stats.nonfinite_out, o.stats.nonfinite_lse, o.stats.stray_writes,
-              o.kernel_ms);
+              o.pass ? "PASS" : "FAIL", sp.name.c_str(), mode.c_str(), sp.head_dim, c.num_requests(), c.num_q_heads(),
+              sp.num_kv_heads, sp.page_size, join(sp.q_lens).c_str(), join(k).c_str(), o.stats.max_abs_err,
+              o.stats.max_abs_ref, rel_rms, o.stats.max_lse_err, o.stats.nonfinite_out, o.stats.nonfinite_lse,
+              o.stats.stray_writes, o.kernel_ms);
 }
 
 // One case, dense and then (keep >= 0) block-sparse without and with the correction; fresh poison each run.
 int run_case(const nt::CaseSpec& spec, cudaStream_t stream, double keep = 0.3) {
   nt::PagedCase c(spec);
-  const float scale = spec.softmax_scale > 0 ? spec.softmax_scale : 1.0f / std::sqrt(float(kHeadDim));
+  const float scale = spec.softmax_scale > 0 ? spec.softmax_scale : 1.0f / std::sqrt(float(spec.head_dim));
   int failures = 0;
   for (int variant = 0; variant < (keep >= 0 ? 3 : 1); ++variant) {
     std::unique_ptr<nt::SparseCase> sparse;
@@ -185,7 +207,7 @@ int run_case(const nt::CaseSpec& spec, cudaStream_t stream, double keep = 0.3) {
     c.poison_outputs();
     Outcome o;
     if (run_kernel(c, sparse.get(), stream, &o.kernel_ms) != FPV2_OK) {
-      std::printf("[FAIL] %s: the launcher refused a case it must serve\n", spec.name.c_str());
+      std::printf("[FAIL] %s d=%d: the launcher refused a case it must serve\n", spec.name.c_str(), spec.head_dim);
       ++failures;
       continue;
     }
@@ -198,9 +220,10 @@ int run_case(const nt::CaseSpec& spec, cudaStream_t stream, double keep = 0.3) {
 }
 
 nt::CaseSpec spec(std::string name, int Hkv, int group, int page, std::vector<int> q_lens, std::vector<int> prefixes,
-                  uint64_t seed) {
+                  uint64_t seed, int head_dim = 128) {
   nt::CaseSpec s;
   s.name = std::move(name);
+  s.head_dim = head_dim;
   s.num_kv_heads = Hkv;
   s.group = group;
   s.page_size = page;
@@ -210,33 +233,45 @@ nt::CaseSpec spec(std::string name, int Hkv, int group, int page, std::vector<in
   return s;
 }
 
-std::vector<nt::CaseSpec> correctness_grid() {
-  std::vector<nt::CaseSpec> cases;
-  uint64_t seed = 11;
+// The grid at head dim d. d = 128 (the first instantiation) keeps its case names and seeds; other head dims
+// run the same shapes under names prefixed "d<d>_" and seeds of their own, with page sizes 1/16/64/128 in the
+// GQA x page sweep (both gather page kinds, the smallest TMA page) and the special cases after it.
+void add_grid(std::vector<nt::CaseSpec>& cases, int d) {
+  const std::string prefix = d == 128 ? "" : "d" + std::to_string(d) + "_";
+  uint64_t seed = d == 128 ? 11 : 11 + 1000 * uint64_t(d);
+  auto add = [&](std::string name, int Hkv, int group, int page, std::vector<int> q_lens, std::vector<int> prefixes) {
+    cases.push_back(spec(prefix + name, Hkv, group, page, std::move(q_lens), std::move(prefixes), seed++, d));
+    return &cases.back();  // valid until the next add
+  };
+  const std::vector<int> pages = d == 128 ? std::vector<int>{1, 16, 128, 256} : std::vector<int>{1, 16, 64, 128};
   for (int group : {1, 4, 8}) {
-    for (int page : {1, 16, 128, 256}) {
+    for (int page : pages) {
       const std::string tag = "g" + std::to_string(group) + "_p" + std::to_string(page);
       if (page == 128) {
-        cases.push_back(spec("B1_4k_noprefix_" + tag, 2, group, page, {4096}, {0}, seed++));
+        add("B1_4k_noprefix_" + tag, 2, group, page, {4096}, {0});
       } else {
-        cases.push_back(spec("B1_prefix_" + tag, 2, group, page, {1537}, {2500}, seed++));
+        add("B1_prefix_" + tag, 2, group, page, {1537}, {2500});
       }
-      cases.push_back(spec("B3_varlen_" + tag, 2, group, page, {1, 700, 2000}, {300, 1365, 0}, seed++));
+      add("B3_varlen_" + tag, 2, group, page, {1, 700, 2000}, {300, 1365, 0});
     }
   }
   // A group that does not divide 128: tiles split a position's heads across two tiles.
-  cases.push_back(spec("B3_g3_split_groups", 2, 3, 128, {5, 129, 1000}, {0, 127, 3001}, seed++));
+  add("B3_g3_split_groups", 2, 3, 128, {5, 129, 1000}, {0, 127, 3001});
   // Padded token strides of q and out, explicit softmax scale, three KV heads.
-  nt::CaseSpec padded = spec("B2_padded_scale_hkv3", 3, 4, 256, {333, 1024}, {64, 0}, seed++);
-  padded.token_pad = 64;
-  padded.softmax_scale = 0.05f;
-  cases.push_back(padded);
+  nt::CaseSpec* padded = add("B2_padded_scale_hkv3", 3, 4, 256, {333, 1024}, {64, 0});
+  padded->token_pad = 64;
+  padded->softmax_scale = 0.05f;
   // Lengths that are exact multiples of the tile (no partial tail block) and a one-token request.
-  cases.push_back(spec("B3_exact_tiles", 2, 8, 128, {128, 256, 1}, {0, 128, 255}, seed++));
+  add("B3_exact_tiles", 2, 8, 128, {128, 256, 1}, {0, 128, 255});
   // The cp.async gather with a split group, exact tiles, and a page size that is neither 1 nor a power of 2.
-  cases.push_back(spec("B3_g3_split_groups_p16", 2, 3, 16, {5, 129, 1000}, {0, 127, 3001}, seed++));
-  cases.push_back(spec("B3_exact_tiles_p64", 2, 8, 64, {128, 256, 1}, {0, 128, 255}, seed++));
-  cases.push_back(spec("B2_varlen_p24", 2, 4, 24, {333, 1024}, {64, 0}, seed++));
+  add("B3_g3_split_groups_p16", 2, 3, 16, {5, 129, 1000}, {0, 127, 3001});
+  add("B3_exact_tiles_p64", 2, 8, 64, {128, 256, 1}, {0, 128, 255});
+  add("B2_varlen_p24", 2, 4, 24, {333, 1024}, {64, 0});
+}
+
+std::vector<nt::CaseSpec> correctness_grid() {
+  std::vector<nt::CaseSpec> cases;
+  for (int d : fpv2::hopper::kPrefillHeadDims) add_grid(cases, d);
   return cases;
 }
 
@@ -270,26 +305,33 @@ fpv2_correction_plan_t fake_plan(int32_t pooled_dtype) {
   return p;
 }
 
+// Sets the head dim of the refusal problem below (q/out (300, 8, d), caches (5, 128, 2, d), all contiguous).
+void set_head_dim(fpv2_prefill_args_t& a, int d) {
+  for (fpv2_tensor_t* t : {&a.q, &a.out}) {
+    t->shape[2] = d;
+    t->strides[1] = d;
+    t->strides[0] = 8 * int64_t(d);
+  }
+  for (fpv2_tensor_t* t : {&a.k_cache, &a.v_cache}) {
+    t->shape[3] = d;
+    t->strides[2] = d;
+    t->strides[1] = 2 * int64_t(d);
+    t->strides[0] = 128 * 2 * int64_t(d);
+  }
+}
+
 // Configurations the launcher must refuse with a message, without launching (no device memory is read).
 int run_refusals() {
+  static_assert(fpv2::hopper::prefill_head_dim_built(128), "the refusal problem runs at d=128");
   int failures = 0;
   struct Variant {
-    const char* what;
+    std::string what;
     int expected;
     void (*edit)(fpv2_prefill_args_t&, fpv2_paged_batch_t&);
+    int head_dim = 128;
+    std::vector<std::string> fragments = {};  // the message must name each
   };
-  const Variant variants[] = {
-      {"head dim 64", FPV2_ERROR_UNSUPPORTED,
-       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
-         for (fpv2_tensor_t* t : {&a.q, &a.out}) {
-           t->shape[2] = 64;
-           t->strides[1] = 64;
-         }
-         for (fpv2_tensor_t* t : {&a.k_cache, &a.v_cache}) {
-           t->shape[3] = 64;
-           t->strides[2] = 64;
-         }
-       }},
+  std::vector<Variant> variants = {
       {"fp16 inputs", FPV2_ERROR_UNSUPPORTED,
        [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
          for (fpv2_tensor_t* t : {&a.q, &a.k_cache, &a.v_cache, &a.out}) t->dtype = FPV2_DTYPE_F16;
@@ -319,6 +361,13 @@ int run_refusals() {
          a.correction = &plan;
        }},
   };
+  // Every head dim the ABI accepts without an instantiation here: refused by name, with the built ones.
+  for (int d : {64, 128, 256}) {
+    if (fpv2::hopper::prefill_head_dim_built(d)) continue;
+    variants.push_back({"head dim " + std::to_string(d) + " (not built)", FPV2_ERROR_UNSUPPORTED,
+                        [](fpv2_prefill_args_t&, fpv2_paged_batch_t&) {}, d,
+                        {"head dim d=" + std::to_string(d), "built: d=" + fpv2::hopper::prefill_head_dims_text()}});
+  }
   // Fake, aligned, never-dereferenced pointers: validation and the refusals read metadata only.
   const fpv2_tensor_t none{};
   for (const Variant& v : variants) {
@@ -345,18 +394,20 @@ int run_refusals() {
     a.lse = none;
     a.batch = &batch;
     a.device = -1;
+    set_head_dim(a, v.head_dim);
     v.edit(a, batch);
     const int32_t valid = fpv2::detail::validate_prefill_args(&a);
     if (valid != FPV2_OK) {
-      std::printf("[FAIL] refusal '%s': the ABI validation already refused it (%s); the case is malformed\n", v.what,
-                  fpv2::detail::last_error_message());
+      std::printf("[FAIL] refusal '%s': the ABI validation already refused it (%s); the case is malformed\n",
+                  v.what.c_str(), fpv2::detail::last_error_message());
       ++failures;
       continue;
     }
     const int32_t status = fpv2::hopper::launch_prefill(a, nullptr);
     const std::string message = fpv2::detail::last_error_message();
-    const bool ok = status == v.expected && !message.empty();
-    std::printf("[%s] refusal '%s': status %d (%s) message: %s\n", ok ? "PASS" : "FAIL", v.what, status,
+    bool ok = status == v.expected && !message.empty();
+    for (const std::string& fragment : v.fragments) ok = ok && message.find(fragment) != std::string::npos;
+    std::printf("[%s] refusal '%s': status %d (%s) message: %s\n", ok ? "PASS" : "FAIL", v.what.c_str(), status,
                 fpv2_status_string(status), message.c_str());
     failures += ok ? 0 : 1;
   }
@@ -376,16 +427,16 @@ bool time_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, int repea
   return true;
 }
 
-int run_timing(const std::vector<int>& lengths, int batch, int repeats, double keep, int page_size,
+int run_timing(const std::vector<int>& lengths, int batch, int repeats, double keep, int page_size, int head_dim,
                cudaStream_t stream) {
   int failures = 0;
   for (int L : lengths) {
     // `batch` requests of L tokens each, no prefix.
     nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, std::vector<int>(size_t(batch), L),
-                          std::vector<int>(size_t(batch), 0), 1000 + uint64_t(L));
+                          std::vector<int>(size_t(batch), 0), 1000 + uint64_t(L), head_dim);
     s.q_range = 1.0f;
     nt::PagedCase c(s);
-    const double flops = 4.0 * batch * c.num_q_heads() * double(L) * double(L) * kHeadDim / 2.0;
+    const double flops = 4.0 * batch * c.num_q_heads() * double(L) * double(L) * head_dim / 2.0;
     // Spot check: the reference on 16 query tokens spread over the batch (the last one included).
     std::vector<int32_t> sample;
     for (int i = 0; i < 16; ++i) sample.push_back(int32_t((int64_t(L) * batch - 1) * i / 15));
@@ -398,12 +449,12 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       std::vector<float> times;
       c.poison_outputs();
       if (!time_kernel(c, sparse.get(), repeats, stream, &times)) {
-        std::printf("[FAIL] timing L=%d %s: a launch failed\n", L, impl);
+        std::printf("[FAIL] timing L=%d d=%d %s: a launch failed\n", L, head_dim, impl);
         ++failures;
         continue;
       }
       const float median = repeats % 2 ? times[repeats / 2] : 0.5f * (times[repeats / 2 - 1] + times[repeats / 2]);
-      const nt::ErrorStats st = compare_with_reference(c, sparse.get(), sample, 1.0f / std::sqrt(float(kHeadDim)));
+      const nt::ErrorStats st = compare_with_reference(c, sparse.get(), sample, 1.0f / std::sqrt(float(head_dim)));
       const double rel_rms = st.sum_sq_ref > 0 ? std::sqrt(st.sum_sq_err / st.sum_sq_ref) : 0.0;
       const bool sample_ok = st.nonfinite_out == 0 && st.nonfinite_lse == 0 && st.stray_writes == 0 &&
                              st.max_abs_err <= kMaxAbsErr && rel_rms <= kMaxRelRms && st.max_lse_err <= kMaxLseErr;
@@ -412,11 +463,12 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       // Sparse: time relative to density x dense time (target <= 1.15); corrected: overhead over sparse.
       const double vs_density = variant > 0 && dense_ms > 0 ? median / (density * dense_ms) : 1.0;
       const double overhead = variant == 2 && sparse_ms > 0 ? median / sparse_ms - 1.0 : 0.0;
-      std::printf("[%s] timing L=%d B=%d Hq=32 Hkv=8 d=128 page=%d bf16 causal %-29s density %.4f: median %.3f ms "
+      std::printf("[%s] timing L=%d B=%d Hq=32 Hkv=8 d=%d page=%d bf16 causal %-29s density %.4f: median %.3f ms "
                   "over %d runs (min %.3f, max %.3f) -> %.1f dense-equivalent TFLOP/s; time / (density x dense) "
                   "%.3f; correction overhead %.1f%%; sampled check max|err|=%.3e rel_rms=%.3e lse_err=%.3e\n",
-                  sample_ok ? "PASS" : "FAIL", L, batch, page_size, impl, density, median, repeats, times.front(), times.back(),
-                  flops / (median * 1e9), vs_density, 100.0 * overhead, st.max_abs_err, rel_rms, st.max_lse_err);
+                  sample_ok ? "PASS" : "FAIL", L, batch, head_dim, page_size, impl, density, median, repeats,
+                  times.front(), times.back(), flops / (median * 1e9), vs_density, 100.0 * overhead, st.max_abs_err,
+                  rel_rms, st.max_lse_err);
       const char* gather = std::getenv("FPV2_HOPPER_GATHER");
       const char* pingpong = std::getenv("FPV2_HOPPER_PINGPONG");
       const int pingpong_on = pingpong != nullptr && std::strcmp(pingpong, "1") == 0;
@@ -430,11 +482,12 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const int request_major_on = !(request_major != nullptr && std::strcmp(request_major, "0") == 0);
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
       std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
-                  "\"d\": 128, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
+                  "\"d\": %d, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "
                   "\"correction_overhead\": %.4f, \"repeats\": %d, \"sample_max_abs_err\": %.4e, "
                   "\"sample_rel_rms\": %.4e}\n",
-                  impl, kv_path.c_str(), pingpong_on, persistent_on, overlap_on, request_major_on, batch, L, page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
+                  impl, kv_path.c_str(), pingpong_on, persistent_on, overlap_on, request_major_on, batch, L, head_dim,
+                  page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
                   st.max_abs_err, rel_rms);
       failures += sample_ok ? 0 : 1;
     }
@@ -465,6 +518,7 @@ int main(int argc, char** argv) {
   int repeats = 10;
   double keep = 0.03;
   int page_size = 128;
+  int head_dim = 128;
   int batch = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -478,6 +532,8 @@ int main(int argc, char** argv) {
       batch = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--page-size" && i + 1 < argc) {
       page_size = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--head-dim" && i + 1 < argc) {
+      head_dim = std::atoi(argv[++i]);
     } else if (arg == "--keep" && i + 1 < argc) {
       keep = std::atof(argv[++i]);
     } else if (arg == "--seed" && i + 1 < argc) {
@@ -485,13 +541,18 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--mode correctness|small|timing|refusals] [--lengths L1,L2] [--repeats N] [--keep P] "
-                   "[--page-size P] [--batch B] [--seed N]\n",
+                   "[--page-size P] [--head-dim D] [--batch B] [--seed N]\n",
                    argv[0]);
       return 2;
     }
   }
-  std::printf("fpv2 Hopper prefill test, mode %s, seed %llu\n", mode.c_str(),
-              static_cast<unsigned long long>(g_seed_offset));
+  if (!fpv2::hopper::prefill_head_dim_built(head_dim)) {
+    std::fprintf(stderr, "--head-dim %d: no compiled instantiation in this build (built: %s)\n", head_dim,
+                 fpv2::hopper::prefill_head_dims_text().c_str());
+    return 2;
+  }
+  std::printf("fpv2 Hopper prefill test, mode %s, seed %llu, built head dims %s\n", mode.c_str(),
+              static_cast<unsigned long long>(g_seed_offset), fpv2::hopper::prefill_head_dims_text().c_str());
   int failures = 0;
   if (mode == "refusals" || mode == "correctness") failures += run_refusals();
   if (mode != "refusals") {
@@ -503,10 +564,15 @@ int main(int argc, char** argv) {
     if (mode == "correctness") {
       for (const nt::CaseSpec& s : correctness_grid()) failures += run_case(s, stream);
     } else if (mode == "small") {
-      failures += run_case(spec("small_B3_g4_p128", 2, 4, 128, {3, 130, 300}, {0, 200, 61}, 5), stream);
-      failures += run_case(spec("small_B3_g4_p16", 2, 4, 16, {3, 130, 300}, {0, 200, 61}, 6), stream);
+      // The TMA path and the cp.async gather at every built head dim (d = 128 keeps its seeds).
+      for (int d : fpv2::hopper::kPrefillHeadDims) {
+        const std::string prefix = d == 128 ? "small_" : "small_d" + std::to_string(d) + "_";
+        const uint64_t seed = d == 128 ? 5 : 5 + 1000 * uint64_t(d);
+        failures += run_case(spec(prefix + "B3_g4_p128", 2, 4, 128, {3, 130, 300}, {0, 200, 61}, seed, d), stream);
+        failures += run_case(spec(prefix + "B3_g4_p16", 2, 4, 16, {3, 130, 300}, {0, 200, 61}, seed + 1, d), stream);
+      }
     } else if (mode == "timing") {
-      failures += run_timing(lengths, batch, repeats, keep, page_size, stream);
+      failures += run_timing(lengths, batch, repeats, keep, page_size, head_dim, stream);
     } else {
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
       return 2;
