@@ -10,7 +10,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_ptxas_report.py"
 
 _ENTRY = (
     "ptxas info    : Compiling entry function "
-    "'_ZN4fpv26hopper14prefill_kernelINS0_13PrefillTraitsILi128ELi2EEE"
+    "'_ZN4fpv26hopper14prefill_kernelINS0_13PrefillTraitsILi{head_dim}ELi{stages}EEE"
     "Lb{persistent}ELb{overlap}EEEvNS0_13PrefillParamsIT_EE' "
     "for 'sm_90a'\n"
     "ptxas info    : Function properties for _ZN4fpv26hopper14prefill_kernel...\n"
@@ -19,12 +19,31 @@ _ENTRY = (
 )
 
 
-def _report(
-    default: tuple[int, int, int], persistent: tuple[int, int, int], overlap: tuple[int, int, int] = (8, 4, 4)
+def _entries(
+    head_dim: int,
+    stages: int,
+    default: tuple[int, int, int],
+    persistent: tuple[int, int, int],
+    overlap: tuple[int, int, int],
 ) -> str:
-    text = "[1/3] nvcc ...\n"
+    text = ""
     for flags, (stack, stores, loads) in (((0, 0), default), ((1, 0), persistent), ((0, 1), overlap)):
-        text += _ENTRY.format(persistent=flags[0], overlap=flags[1], stack=stack, stores=stores, loads=loads)
+        text += _ENTRY.format(
+            head_dim=head_dim, stages=stages, persistent=flags[0], overlap=flags[1], stack=stack, stores=stores,
+            loads=loads,
+        )  # fmt: skip
+    return text
+
+
+def _report(
+    default: tuple[int, int, int],
+    persistent: tuple[int, int, int],
+    overlap: tuple[int, int, int] = (8, 4, 4),
+    d64: tuple[tuple[int, int, int], ...] = ((0, 0, 0), (8, 12, 12), (0, 0, 0)),
+) -> str:
+    """A build log with the d=128 instantiations (the given frames) and the d=64 ones (``d64``)."""
+    text = "[1/3] nvcc ...\n" + _entries(64, 4, *d64) + "[2/3] nvcc ...\n"
+    text += _entries(128, 2, default, persistent, overlap)
     return text + "ptxas info    : Compiling entry function '_ZN3fpv211other_kernelEv' for 'sm_90a'\n"
 
 
@@ -37,16 +56,22 @@ def _run(tmp_path: Path, text: str, *extra: str) -> subprocess.CompletedProcess[
 def test_the_measured_report_passes(tmp_path: Path) -> None:
     result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12)))
     assert result.returncode == 0, result.stdout
-    assert "default instantiation: 8 B stack, 4 / 4" in result.stdout
-    assert "persistent instantiation: 8 B stack, 12 / 12" in result.stdout
-    assert "overlap instantiation: 8 B stack, 4 / 4" in result.stdout
+    assert "d=128 default instantiation (2 stages): 8 B stack, 4 / 4" in result.stdout
+    assert "d=128 persistent instantiation (2 stages): 8 B stack, 12 / 12" in result.stdout
+    assert "d=128 overlap instantiation (2 stages): 8 B stack, 4 / 4" in result.stdout
+    # The d=64 instantiations are named and budgeted too.
+    assert "d=64 default instantiation (4 stages): 0 B stack, 0 / 0" in result.stdout
+    assert "d=64 persistent instantiation (4 stages): 8 B stack, 12 / 12" in result.stdout
+    assert "d=64 overlap instantiation (4 stages): 0 B stack, 0 / 0" in result.stdout
 
 
 def test_accumulators_in_local_memory_fail(tmp_path: Path) -> None:
     # The regression this guards against: the consumer main loop made a call, its accumulators on the stack.
     result = _run(tmp_path, _report((944, 44, 36), (8, 12, 12)))
     assert result.returncode == 1
-    assert "FAIL: prefill_kernel (one CTA per tile): 944 bytes stack frame and 44 bytes of spills" in result.stdout
+    assert "FAIL: prefill_kernel d=128 (one CTA per tile): 944 bytes stack frame and 44 bytes of spills" in (
+        result.stdout
+    )
 
 
 def test_persistent_budget_is_its_own(tmp_path: Path) -> None:
@@ -59,6 +84,24 @@ def test_overlapped_consumers_have_the_default_budget(tmp_path: Path) -> None:
     # Its flags are (persistent=0, overlap=1): it must not pass under the persistent budget.
     result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12), overlap=(8, 12, 12)))
     assert result.returncode == 1 and "(overlapped consumers)" in result.stdout
+
+
+def test_d64_has_the_same_budgets(tmp_path: Path) -> None:
+    # Within the d=128 budgets: passes; the gather producer's spills as first compiled at d=64 (20 bytes of
+    # spill loads in 24 registers): fails, named by head dim.
+    assert _run(tmp_path, _report((8, 4, 4), (8, 12, 12), d64=((16, 8, 8), (16, 16, 16), (16, 8, 8)))).returncode == 0
+    result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12), d64=((16, 12, 20), (8, 12, 12), (16, 12, 20))))
+    assert result.returncode == 1
+    assert "FAIL: prefill_kernel d=64 (one CTA per tile): 16 bytes stack frame and 20 bytes of spills" in result.stdout
+    assert "FAIL: prefill_kernel d=64 (overlapped consumers)" in result.stdout
+    assert "d=128 (one CTA per tile)" not in result.stdout
+
+
+def test_a_head_dim_without_a_budget_fails(tmp_path: Path) -> None:
+    text = _entries(256, 2, (0, 0, 0), (0, 0, 0), (0, 0, 0))
+    result = _run(tmp_path, text)
+    assert result.returncode == 1
+    assert "prefill_kernel d=256 (one CTA per tile): no budget for this head dim (budgeted: d=64, 128)" in result.stdout
 
 
 def test_a_log_without_the_kernel(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ on the device (``scripts/device_check.sh``). The kernel's own native grid (every
 output poisoned, stray writes counted, compute-sanitizer) is
 ``tests/native/hopper_prefill_test.cu``; this file checks the binding end to end:
 struct building, the bf16 hand-over of the pooled statistics, streams, refusals,
-on both K/V paths (TMA at page sizes 128/256, the cp.async gather at 1/16).
+on both K/V paths (TMA at page sizes 128/256, the cp.async gather at 1/16), at
+every head dim the loaded library was built for (``hopper_head_dims()``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ import torch
 
 from fpv2.kernel import CorrectionPlan
 from fpv2.kernel import _native as native
+from fpv2.kernel.contracts import SUPPORTED_HEAD_DIMS
 from fpv2.kernel.reference import dense_attention, pool_blocks, sparse_attention
 
 SEQLENS_Q = [1000, 0, 513, 77]
 SEQLENS_K = [1000, 300, 1800, 1290]
+
+#: The head dims the library has an instantiation for; without a library every test skips in
+#: _require_kernel, so the default build's d=128 stands in for the parametrisation.
+BUILT_HEAD_DIMS = native.hopper_head_dims() or (128,)
+#: Head dims the contracts accept but the library was not built for (refused by name).
+UNBUILT_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if d not in BUILT_HEAD_DIMS)
 
 
 def _keep_some(seed: int, probability: float):
@@ -54,11 +62,12 @@ def _check(got: torch.Tensor, want: torch.Tensor, same: torch.Tensor) -> None:
 @pytest.mark.parametrize("correction", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_sparse_with_and_without_correction(paged_case, hand_index, group, page_size, correction):
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_sparse_with_and_without_correction(paged_case, hand_index, head_dim, group, page_size, correction):
     _require_kernel()
     case = paged_case(
-        SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=128, page_size=page_size,
-        dtype=torch.bfloat16, device="cuda", seed=group * page_size + correction,
+        SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", seed=group * page_size + correction + head_dim,
     )  # fmt: skip
     index, _ = hand_index(
         case.batch, num_kv_heads=2, group=group, tile_size=128, block_size=128, keep=_keep_some(group, 0.3)
@@ -78,11 +87,12 @@ def test_sparse_with_and_without_correction(paged_case, hand_index, group, page_
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("group", [1, 8])
-def test_dense_on_a_side_stream(paged_case, group):
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_dense_on_a_side_stream(paged_case, head_dim, group):
     _require_kernel()
     case = paged_case(
-        SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=128, page_size=128,
-        dtype=torch.bfloat16, device="cuda", seed=7 + group,
+        SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=128,
+        dtype=torch.bfloat16, device="cuda", seed=7 + group + head_dim,
     )  # fmt: skip
     stream = torch.cuda.Stream()
     out = _poisoned(case)
@@ -96,9 +106,11 @@ def test_dense_on_a_side_stream(paged_case, group):
 
 
 @pytest.mark.hopper
-def test_configurations_it_cannot_serve_are_refused(paged_case):
+@pytest.mark.parametrize("head_dim", UNBUILT_HEAD_DIMS)
+def test_head_dims_it_was_not_built_for_are_refused(paged_case, head_dim):
     _require_kernel()
-    case = paged_case([64], [64], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+    case = paged_case([64], [64], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16,
                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    with pytest.raises(native.UnsupportedConfigurationError, match="head dim"):
+    built = ", ".join(map(str, BUILT_HEAD_DIMS))
+    with pytest.raises(native.UnsupportedConfigurationError, match=f"head dim d={head_dim} .*built: d={built}"):
         native.hopper_prefill(case.q, case.k_cache, case.v_cache, torch.empty_like(case.q), case.batch)

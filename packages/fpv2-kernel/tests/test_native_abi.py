@@ -33,6 +33,7 @@ from fpv2.kernel import _native as native
 from fpv2.kernel._native import structs as cs
 from fpv2.kernel.contracts import (
     CORRECTION_CHUNK,
+    SUPPORTED_HEAD_DIMS,
     TILE_SIZE,
     BlockIndex,
     CorrectionPlan,
@@ -64,6 +65,8 @@ HEADERS = [h for h in (IN_TREE_HEADER, INSTALLED_HEADER) if h.is_file()]
 Status = native.Status
 DType = native.DType
 HAS_KERNEL = bool(LIB.fpv2_hopper_kernel_available())
+#: Head dims with a compiled Hopper instantiation (from the build description; () without the kernel).
+BUILT_HEAD_DIMS = native.hopper_head_dims()
 
 
 def _last_error() -> str:
@@ -211,6 +214,12 @@ def test_build_info_and_status_strings() -> None:
     assert "nvcc" in info and "sm_90a" in info and "CUTLASS 4.2" in info
     assert ("Hopper attention kernel: built" in info) == HAS_KERNEL
     assert ("not built" in info) == (not HAS_KERNEL)
+    if HAS_KERNEL:
+        # The build names its head dims, a non-empty subset of what the contracts accept.
+        assert BUILT_HEAD_DIMS and set(BUILT_HEAD_DIMS) <= set(SUPPORTED_HEAD_DIMS)
+        assert f"head dims {', '.join(map(str, BUILT_HEAD_DIMS))};" in info
+    else:
+        assert BUILT_HEAD_DIMS == ()
     for status in Status:
         text = LIB.fpv2_status_string(status).decode()
         assert text.startswith("FPV2_OK" if status == Status.OK else f"FPV2_ERROR_{status.name}")
@@ -568,10 +577,11 @@ def test_prefill_reports_not_built() -> None:
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tensors of this case must not reach a GPU launch")
-def test_prefill_with_the_kernel_but_no_gpu_reports_the_cuda_failure() -> None:
-    # Arguments the kernel serves (bf16, d=128, page 128, dense) pass validation and the launcher's own
-    # checks; the launcher then finds no CUDA device and says so (nothing is launched).
-    case = Case(head_dim=128, page_size=128)
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS or [128])
+def test_prefill_with_the_kernel_but_no_gpu_reports_the_cuda_failure(head_dim: int) -> None:
+    # Arguments the kernel serves (bf16, a built head dim, page 128, dense) pass validation and the launcher's
+    # own checks; the launcher then finds no CUDA device and says so (nothing is launched).
+    case = Case(head_dim=head_dim, page_size=128)
     args = case.args()
     assert LIB.fpv2_hopper_kernel_available() == 1
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.CUDA
@@ -579,6 +589,26 @@ def test_prefill_with_the_kernel_but_no_gpu_reports_the_cuda_failure() -> None:
     assert "Hopper" in message and "cuda" in message.lower()
     available, reason = native.hopper_available()
     assert available is False and "CUDA" in reason
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")
+@pytest.mark.parametrize("head_dim", [d for d in SUPPORTED_HEAD_DIMS if d not in BUILT_HEAD_DIMS] or [None])
+def test_head_dims_without_an_instantiation_are_refused_by_name(head_dim: int | None) -> None:
+    # The ABI accepts d in {64, 128, 256}; the launcher refuses the ones this build has no instantiation for,
+    # naming the head dim and the built ones, before any device work (so on machines without a GPU too).
+    if head_dim is None:
+        pytest.skip("this library has an instantiation for every head dim the contracts accept")
+    case = Case(head_dim=head_dim, page_size=128)
+    args = case.args()
+    assert _validate(args) == Status.OK
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.UNSUPPORTED
+    message = _last_error()
+    built = ", ".join(map(str, BUILT_HEAD_DIMS))
+    assert f"head dim d={head_dim} has no compiled Hopper instantiation" in message
+    assert f"(built: d={built})" in message and "fpv2_prefill_args_t.q" in message
+    with pytest.raises(native.UnsupportedConfigurationError) as info:
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, case.out, case.batch)
+    assert str(info.value) == message
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")

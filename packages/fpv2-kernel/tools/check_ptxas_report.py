@@ -5,7 +5,8 @@ are fragile: one more branch in the tile order once made the consumer main loop 
 accumulators went to local memory (a 944-byte stack frame, every accumulator update through memory),
 with no error and no warning. This check reads the ``-Xptxas -v`` report of a build (``cmake --build -v``
 output) and compares each ``prefill_kernel`` instantiation with a budget, so that regression fails the
-build's checks instead of a timing run on the device.
+build's checks instead of a timing run on the device. Instantiations are named by head dim and variant
+(``d=64 overlap``); an instantiation of a head dim without a budget fails until one is written here.
 
 Usage::
 
@@ -23,13 +24,21 @@ import re
 import sys
 from dataclasses import dataclass
 
-#: Per instantiation (named from the kernel's bool template arguments: persistent CTAs, overlapped
-#: consumers): stack bytes, spill bytes. Measured at 8 / 4 (one CTA per tile) and 8 / 12 (persistent) on
-#: nvcc 13.0 (benchmarks/NOTES.md); the overlapped consumers have the producer of the default.
-BUDGETS = {"default": (16, 8), "persistent": (16, 16), "overlap": (16, 8)}
+#: Per variant (named from the kernel's bool template arguments: persistent CTAs, overlapped consumers):
+#: stack bytes, spill bytes. Measured at 8 / 4 (one CTA per tile) and 8 / 12 (persistent) on nvcc 13.0
+#: at d=128 (benchmarks/NOTES.md); the overlapped consumers have the producer of the default.
+VARIANT_BUDGETS = {"default": (16, 8), "persistent": (16, 16), "overlap": (16, 8)}
+
+#: Per (head dim, variant): every built head dim (csrc/hopper/prefill_instances.hpp) under the same rule.
+#: Measured with nvcc 13.0 after the row gather's 32-bit shared addresses: d=64 and d=128 0 / 0 for one CTA
+#: per tile and the overlapped consumers; persistent (TMA producer) d=64 8 / 12, d=128 16 / 16.
+BUDGETS = {(head_dim, variant): budget for head_dim in (64, 128) for variant, budget in VARIANT_BUDGETS.items()}
 
 # Itanium mangling of the bool template arguments: Lb0E (false) / Lb1E (true), in declaration order.
 _FLAGS = re.compile(r"Lb([01])E")
+# The traits argument PrefillTraits<kHeadDim, kStages>: ...PrefillTraitsILi128ELi2EE...
+_TRAITS = re.compile(r"PrefillTraitsILi(?P<head_dim>\d+)ELi(?P<stages>\d+)EE")
+_KINDS = {"default": "one CTA per tile", "persistent": "persistent", "overlap": "overlapped consumers"}
 
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']*prefill_kernel[^']*)'")
 _FRAME = re.compile(
@@ -43,9 +52,16 @@ class KernelReport:
 
     name: str
     variant: str
+    head_dim: int | None  # None: a name without PrefillTraits<d, stages>
+    stages: int | None
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+
+    @property
+    def label(self) -> str:
+        """``d=64 overlap``: the head dim and the variant."""
+        return f"d={self.head_dim if self.head_dim is not None else '?'} {self.variant}"
 
 
 def _variant(name: str) -> str:
@@ -69,10 +85,13 @@ def parse_reports(text: str) -> list[KernelReport]:
             frame = _FRAME.search(follow)
             if frame is not None:
                 name = entry.group("name")
+                traits = _TRAITS.search(name)
                 reports.append(
                     KernelReport(
                         name=name,
                         variant=_variant(name),
+                        head_dim=int(traits.group("head_dim")) if traits else None,
+                        stages=int(traits.group("stages")) if traits else None,
                         stack_bytes=int(frame.group("stack")),
                         spill_store_bytes=int(frame.group("stores")),
                         spill_load_bytes=int(frame.group("loads")),
@@ -83,14 +102,17 @@ def parse_reports(text: str) -> list[KernelReport]:
 
 
 def over_budget(report: KernelReport) -> str | None:
-    """Why ``report`` exceeds its budget, or None."""
-    max_stack, max_spill = BUDGETS[report.variant]
+    """Why ``report`` exceeds its budget (or has none), or None."""
+    where = f"prefill_kernel d={report.head_dim} ({_KINDS[report.variant]})"
+    budget = BUDGETS.get((report.head_dim, report.variant))
+    if budget is None:
+        known = ", ".join(str(d) for d in sorted({d for d, _ in BUDGETS}))
+        return f"{where}: no budget for this head dim (budgeted: d={known}); add it to BUDGETS"
+    max_stack, max_spill = budget
     spill = max(report.spill_store_bytes, report.spill_load_bytes)
     if report.stack_bytes > max_stack or spill > max_spill:
-        kind = {"default": "one CTA per tile", "persistent": "persistent", "overlap": "overlapped consumers"}
         return (
-            f"prefill_kernel ({kind[report.variant]}): {report.stack_bytes} bytes stack frame and {spill} bytes of "
-            "spills, "
+            f"{where}: {report.stack_bytes} bytes stack frame and {spill} bytes of spills, "
             f"budget {max_stack} / {max_spill}: ptxas moved kernel state to local memory"
         )
     return None
@@ -115,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.allow_missing else 1
     failures = [why for why in map(over_budget, reports) if why]
     for report in reports:
+        stages = f" ({report.stages} stages)" if report.stages is not None else ""
         print(
-            f"check_ptxas_report: {report.variant} instantiation: "
+            f"check_ptxas_report: {report.label} instantiation{stages}: "
             f"{report.stack_bytes} B stack, {report.spill_store_bytes} / {report.spill_load_bytes} "
             "B spill stores / loads"
         )

@@ -6,7 +6,7 @@ needed by the reference or portable backends, and importing this module never
 loads the library: loading happens on first use.
 """
 
-from .api import check_status, hopper_available, hopper_prefill, validate_prefill_native
+from .api import check_status, hopper_available, hopper_head_dims, hopper_prefill, validate_prefill_native
 from .codes import CORRECTION_CHUNK, KERNEL_TILE_SIZE, MAX_NDIM, PREFILL_CAUSAL, DType, Status
 from .errors import HopperKernelNotBuiltError, NativeError, NativeLibraryError, UnsupportedConfigurationError
 from .library import (
@@ -59,6 +59,7 @@ __all__ = [
     "check_status",
     "correction_plan_struct",
     "hopper_available",
+    "hopper_head_dims",
     "hopper_prefill",
     "library_path",
     "load_native_library",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 
 import torch
 
@@ -122,10 +123,12 @@ def hopper_prefill(
     """Causal (block-sparse) paged prefill with the Hopper kernel of ``libfpv2_kernel``.
 
     Tensors must live on the CUDA device of ``q``; the call is asynchronous on
-    ``stream``. The kernel serves bf16 inputs, head dim 128, page sizes that are
-    multiples of 128, block size 128, on sm_90 devices; anything else is refused
-    with :class:`UnsupportedConfigurationError` and a message naming the argument
-    (nothing is launched). The plan's float32 pooled K/V are handed over as a
+    ``stream``. The kernel serves bf16 inputs at the head dims it was built for
+    (:func:`hopper_head_dims`: 64 and 128), any page size (TMA tiles when it is a
+    multiple of 128, a ``cp.async`` gather otherwise), block size 128, on sm_90
+    devices; anything else is refused with :class:`UnsupportedConfigurationError`
+    and a message naming the argument (for a head dim without an instantiation,
+    the head dim and the built ones; nothing is launched). The plan's float32 pooled K/V are handed over as a
     bf16 copy (the kernel loads them with TMA). A library built without the
     kernel reports ``FPV2_ERROR_NOT_BUILT``, raised as
     :class:`HopperKernelNotBuiltError`.
@@ -172,6 +175,30 @@ def hopper_prefill(
     )
     check_status(lib.fpv2_prefill(ctypes.byref(args)))
     return out
+
+
+#: The built head dims in ``fpv2_get_build_info()``: "head dims 64, 128" (or "head dim 128" before d=64).
+_BUILT_HEAD_DIMS = re.compile(r"Hopper attention kernel: built \([^)]*?\bhead dims? (\d+(?:, \d+)*)")
+
+
+def hopper_head_dims() -> tuple[int, ...]:
+    """Head dims with a compiled instantiation of the Hopper kernel in the loaded library.
+
+    Read from the library's build description (``fpv2_get_build_info()``), so tests
+    and callers see what was built rather than a list of their own.
+
+    Returns:
+        The head dims, ascending; ``()`` when the library cannot be loaded or was
+        built without the kernel.
+    """
+    ok, _ = native_status()
+    if not ok:
+        return ()
+    lib = load_native_library()
+    if not lib.fpv2_hopper_kernel_available():
+        return ()
+    found = _BUILT_HEAD_DIMS.search(lib.fpv2_get_build_info().decode())
+    return tuple(sorted(int(d) for d in found.group(1).split(", "))) if found else ()
 
 
 def hopper_available() -> tuple[bool, str]:
