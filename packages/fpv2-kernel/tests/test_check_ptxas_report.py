@@ -80,10 +80,14 @@ def test_persistent_budget_is_its_own(tmp_path: Path) -> None:
     assert result.returncode == 1 and "(persistent)" in result.stdout
 
 
-def test_overlapped_consumers_have_the_default_budget(tmp_path: Path) -> None:
-    # Its flags are (persistent=0, overlap=1): it must not pass under the persistent budget.
-    result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12), overlap=(8, 12, 12)))
-    assert result.returncode == 1 and "(overlapped consumers)" in result.stdout
+def test_overlapped_consumers_have_their_own_budget(tmp_path: Path) -> None:
+    # Its flags are (persistent=0, overlap=1): at d=128 its budget is 32 / 40 (spills outside the loops),
+    # at d=64 the default's 16 / 8.
+    assert _run(tmp_path, _report((8, 4, 4), (8, 12, 12), overlap=(32, 32, 36))).returncode == 0
+    result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12), overlap=(48, 52, 52)))
+    assert result.returncode == 1 and "d=128 (overlapped consumers)" in result.stdout
+    result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12), d64=((0, 0, 0), (8, 12, 12), (16, 12, 12))))
+    assert result.returncode == 1 and "d=64 (overlapped consumers)" in result.stdout
 
 
 def test_d64_has_the_same_budgets(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@
 //   S = Q K^T          SS wgmma, fp32 accumulators; K stage released as soon as the product is done;
 //   mask               kept blocks: only in the diagonal band (n >= n_block_masked), by replacement with
 //                      -inf; pooled tiles of the correction: the log|B_J| shift on eligible columns, -inf
-//                      elsewhere (correction_mask.hpp, from a per-tile table of pending block lengths);
+//                      elsewhere (correction_mask.hpp, from a per-tile table of the pending blocks' shifts);
 //   online softmax     exp2 with the log2(e)-folded scale, O rescaled in registers;
 //   P -> bf16          in registers, regrouped as the A operand (no shared-memory round trip);
 //   O += P V           RS wgmma; V stage released after the product.
@@ -136,7 +136,7 @@ struct ConsumerMainloop {
     // Q: this warpgroup's 64 packed rows, visible to all its threads before the first wgmma.
     PackGqaQueryLoader<Traits>::load(sQ, params, tile, wg, thread_in_wg);
     cutlass::arch::NamedBarrier::sync(Traits::kThreadsPerWarpGroup,
-                                      barrier_id(ConsumerBarrier::kQueryReadyWarpGroup1) + wg);
+                                      barrier_id(ConsumerBarrier::kWarpGroup1) + wg);
 
     clear(tOrO);
     OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);
@@ -150,10 +150,10 @@ struct ConsumerMainloop {
       // Uniform over the CTA's consumers (the same schedule everywhere), so the barriers inside match. A
       // persistent CTA first waits until both warpgroups are done with the previous tile's table.
       if (params.persistent) {
-        cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingLengths));
+        cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingShifts));
       }
-      CorrectionMask<Traits>::build(smem.pending_lengths, params, schedule, pooled_base, tile.n_block_masked,
-                                    consumer_thread);
+      CorrectionMask<Traits>::build(smem.pending_shifts, params, schedule, pooled_base, tile.n_block_masked,
+                                    log2_to_raw, consumer_thread);
     }
 
     // One KV tile of the schedule: kMode 0 = kept block, unmasked; 1 = kept block in the diagonal band;
@@ -184,7 +184,7 @@ struct ConsumerMainloop {
       if constexpr (kMode == 1) {
         mask.apply(tSrS_rc, tScS_rc, n);
       } else if constexpr (kMode == 2) {
-        CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_lengths, log2_to_raw, tile.n_block_masked, n);
+        CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_shifts, n);
       }
       softmax.step(tSrS_rc, tOrO_rc);
 
@@ -260,8 +260,7 @@ struct ConsumerMainloop {
         if constexpr (kMode == 1) {
           mask.apply(tSrS_rc, tScS_rc, n);
         } else if constexpr (kMode == 2) {
-          CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_lengths, log2_to_raw, tile.n_block_masked,
-                                        n);
+          CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_shifts, n);
         }
       };
       auto issue_scores = [&]() CUTLASS_LAMBDA_FUNC_INLINE {

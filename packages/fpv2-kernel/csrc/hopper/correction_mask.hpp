@@ -7,10 +7,12 @@
 // shift is log|B_J| / scale. Other columns of the tile (kept blocks, the diagonal band, the next request's
 // rows, TMA zero fill) are replaced by -inf, so they carry no probability.
 //
-// Once per tile the consumers copy |B_J| of every block below n_block_masked into a shared-memory byte
-// table (coalesced reads of block_lengths) and zero the entries of the tile's kept blocks (from the CSR
-// segment): a non-zero entry is a todo bit of the plan, with its length. Each pooled tile then costs one
-// shared byte load and one lg2 per column, instead of global loads in the softmax's critical path.
+// Once per tile the consumers write the shift of every pooled row the tile's pooled tiles cover into a
+// shared-memory float table (coalesced reads of block_lengths, one lg2 per row), -inf for rows that are not
+// eligible: rows past n_block_masked, and the tile's kept blocks (from the CSR segment). A pooled tile then
+// costs one 8-byte shared load per pair of a thread's columns and an add and a select per score: no
+// per-column lg2 (a quarter-rate MUFU op that ptxas issued for every column even when predicated off: it
+// was half of the correction's extra time at 128K, ncu 2026-12-01).
 #pragma once
 
 #include <cmath>
@@ -25,54 +27,61 @@
 
 namespace fpv2::hopper {
 
-struct PendingLengthsStorage {
-  uint8_t length[kMaxCorrectionBlocks];  // |B_J| (<= 128) of an eligible pruned block, 0 otherwise
+struct PendingShiftsStorage {
+  // Raw-score shift log|B_J| / scale of pooled row J when block J is eligible, -inf otherwise; rows up to
+  // the end of the tile's last pooled tile are written.
+  alignas(16) float shift[kMaxCorrectionBlocks];
 };
 
 template <class Traits>
 struct CorrectionMask {
-  static_assert(Traits::kBlockN <= 255, "block lengths are stored in one byte");
+  static_assert(kMaxCorrectionBlocks % Traits::kBlockN == 0, "pooled tiles never run past the table");
 
   // Consumer threads, once per tile, before the first pooled tile. Ends with a barrier of all consumer
-  // threads.
+  // threads. log2_to_raw = ln(2) / softmax_scale turns log2|B| into the raw-score shift.
   template <class Params>
-  __device__ __forceinline__ static void build(PendingLengthsStorage& table, Params const& params,
+  __device__ __forceinline__ static void build(PendingShiftsStorage& table, Params const& params,
                                                BlockSchedule const& schedule, int pooled_base, int n_block_masked,
-                                               int consumer_thread) {
-    for (int j = consumer_thread; j < n_block_masked; j += Traits::kNumConsumerThreads) {
-      const int length = params.block_lengths[pooled_base + j];
-      table.length[j] = static_cast<uint8_t>(length < 0 ? 0 : (length > Traits::kBlockN ? Traits::kBlockN : length));
+                                               float log2_to_raw, int consumer_thread) {
+    const int rows = schedule.num_correction * Traits::kBlockN;
+    for (int j = consumer_thread; j < rows; j += Traits::kNumConsumerThreads) {
+      float shift = -INFINITY;
+      if (j < n_block_masked) {
+        const int length = params.block_lengths[pooled_base + j];
+        // The plan checks 1 <= |B_J| <= block_size; clamp anyway so that a bad length cannot raise a
+        // pooled term above its block's token count.
+        if (length > 0) shift = __log2f(float(length < Traits::kBlockN ? length : Traits::kBlockN)) * log2_to_raw;
+      }
+      table.shift[j] = shift;
     }
-    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingLengths));
+    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingShifts));
     for (int i = consumer_thread; i < schedule.num_kept; i += Traits::kNumConsumerThreads) {
       const int j = schedule.kept[i];
       if (j >= 0 && j < n_block_masked) {
-        table.length[j] = 0;
+        table.shift[j] = -INFINITY;
       }
     }
-    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingLengths));
+    cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingShifts));
   }
 
-  // Adds the shift of each eligible column of pooled tile `pooled_tile` and replaces the others by -inf.
-  // scores_rc / coords_rc: the thread's (rows x cols) view of S and of its (row, col) coordinates;
-  // log2_to_raw = ln(2) / softmax_scale turns log2|B| into the raw-score shift.
+  // Adds the shift of each eligible column of pooled tile `pooled_tile` and turns the others into -inf:
+  // x + -inf = -inf, and the max with -inf maps the NaN that a masked row of garbage could produce to -inf
+  // too (fmaxf returns the other operand of a NaN), with no per-column predicate.
+  // scores_rc / coords_rc: the thread's (rows x cols) view of S and of its (row, col) coordinates.
   template <class ScoresRowsCols, class CoordsRowsCols>
   __device__ __forceinline__ static void apply(ScoresRowsCols& scores_rc, CoordsRowsCols const& coords_rc,
-                                               PendingLengthsStorage const& table, float log2_to_raw,
-                                               int n_block_masked, int pooled_tile) {
+                                               PendingShiftsStorage const& table, int pooled_tile) {
     using namespace cute;
-    const int first = pooled_tile * Traits::kBlockN;
-    const float full_shift = __log2f(float(Traits::kBlockN)) * log2_to_raw;
+    static_assert(decltype(size<1>(scores_rc))::value % 2 == 0, "a thread's columns come in adjacent pairs");
+    float const* tile_shift = table.shift + pooled_tile * Traits::kBlockN;
     CUTE_UNROLL
-    for (int j = 0; j < size<1>(scores_rc); ++j) {
-      const int block = first + int(get<1>(coords_rc(0, j)));
-      const int length = block < n_block_masked ? int(table.length[block]) : 0;
-      // Eligible blocks are full in practice (a shorter block is a request's last one, the diagonal block of
-      // the tiles that see it whole): skip the lg2 for them, the same value bit for bit.
-      const float shift = length == Traits::kBlockN ? full_shift : __log2f(float(length)) * log2_to_raw;
+    for (int j = 0; j < size<1>(scores_rc); j += 2) {
+      // Values j and j + 1 of a thread's row are columns 2 (lane % 4) + {0, 1} + 8 k: adjacent, the first even.
+      const float2 shift = *reinterpret_cast<float2 const*>(tile_shift + int(get<1>(coords_rc(0, j))));
       CUTE_UNROLL
       for (int i = 0; i < size<0>(scores_rc); ++i) {
-        scores_rc(i, j) = length == 0 ? -INFINITY : scores_rc(i, j) + shift;
+        scores_rc(i, j) = fmaxf(scores_rc(i, j) + shift.x, -INFINITY);
+        scores_rc(i, j + 1) = fmaxf(scores_rc(i, j + 1) + shift.y, -INFINITY);
       }
     }
   }

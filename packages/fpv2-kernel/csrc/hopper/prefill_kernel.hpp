@@ -3,8 +3,8 @@
 // and the consumers (consumer_mainloop.hpp); both walk the tile's BlockSchedule (block_schedule.hpp).
 //
 // Grid: one CTA per (query tile of the longest request, KV head, request), 1-D; block: 384 threads (producer
-// warpgroup + two consumer warpgroups); one CTA per SM (~162 KB of shared memory). Slots past a request's
-// last tile exit at once.
+// warpgroup + two consumer warpgroups); one CTA per SM (prefill_smem_bytes(): 211 KB at d = 64, 227 KB at
+// d = 128, with the correction's 64 KB table of pending shifts). Slots past a request's last tile exit at once.
 //
 // K/V reach shared memory by TMA when page_size is a multiple of 128 (kv_producer.hpp, one elected thread),
 // else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
@@ -17,7 +17,9 @@
 // instantiation, one CTA per tile.
 //
 // Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
-// split-KV, head dims 64 and 256, FP8.
+// split-KV, head dim 256 (Q and two 128-row K/V stages exceed one CTA's shared memory: it needs another
+// tiling), FP8. Head dims 64 and 128 are instantiated (prefill_instances.hpp), each with the K/V stages of
+// prefill_stages().
 #pragma once
 
 #include <cstdint>

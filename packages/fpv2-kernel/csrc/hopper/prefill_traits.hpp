@@ -25,14 +25,14 @@ namespace fpv2::hopper {
 // K/V pipeline stages of the instantiation for `head_dim`, from the shared-memory budget. One CTA runs per
 // SM (its 384 threads take the whole register file), so the storage may use the opt-in limit of 227 KB
 // (232448 bytes); prefill_launch.hpp asserts it. PrefillSharedStorage holds, besides the stages, the Q tile
-// (128 x d bf16), the correction's per-tile table T of kMaxCorrectionBlocks entries (16 KB as byte lengths,
-// 64 KB as float shifts), the shared-rows gather's row table (1 KB), the barriers, the rounding of the
-// 1024-byte aligned struct and 1 KB of slack to align its base. A stage is one K and one V tile of 128 x d
-// bf16: 64 KB at d = 128, 32 KB at d = 64.
-//   d = 128: 32 KB of Q + T + 2 stages = 179 KB (T = 16 KB) / 227 KB (T = 64 KB); a third stage never fits.
-//   d = 64:  16 KB of Q + T + 4 stages = 163 KB / 211 KB. A fifth stage (195 KB / 243 KB) fits only with the
-//            byte table. Four stages keep the d = 128 instantiation's 128 KB of K/V in flight, three tiles
-//            ahead of the consumers (each tile half as long as at d = 128).
+// (128 x d bf16), the correction's per-tile table of kMaxCorrectionBlocks float shifts (64 KB), the
+// shared-rows gather's row table (1 KB), the barriers, the rounding of the 1024-byte aligned struct and 1 KB
+// of slack to align its base. A stage is one K and one V tile of 128 x d bf16: 64 KB at d = 128, 32 KB at
+// d = 64.
+//   d = 128: 32 KB of Q + 64 KB + 2 stages = 227 KB, the limit; a third stage never fits.
+//   d = 64:  16 KB of Q + 64 KB + 4 stages = 211 KB; a fifth stage does not fit. Four stages keep the
+//            d = 128 instantiation's 128 KB of K/V in flight, three tiles ahead of the consumers (each tile
+//            half as long as at d = 128).
 //   other:   0 (none chosen): at d = 256 the Q tile and two 128 KB stages alone exceed the limit.
 constexpr int prefill_stages(int head_dim) { return head_dim == 64 ? 4 : (head_dim == 128 ? 2 : 0); }
 
@@ -58,13 +58,19 @@ struct PrefillTraits {
   static_assert(kRowsPerConsumer == 64, "each consumer warpgroup issues 64-row wgmma");
 
   // setmaxnreg budgets. With __launch_bounds__(384, 1) the kernel starts at 65536 / 384 = 168 registers a
-  // thread; the producer gives most of them back (it keeps enough for the cp.async gather's addresses) so
-  // that each consumer thread can hold its 64 O accumulators, 64 S accumulators and the 32 registers of P
-  // without spilling: 128 * (24 + 2 * 240) = 64512 <= 65536.
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
-  static_assert(kThreadsPerWarpGroup * (kProducerRegisters + kNumConsumerWarpGroups * kConsumerRegisters) <= 65536,
-                "the register file of one SM holds 64K 32-bit registers");
+  // thread, and the warpgroups can only trade among themselves what the CTA got at launch (3 x 168 a
+  // thread of a warpgroup): a consumer's setmaxnreg.inc waits for registers the producer's .dec gave back,
+  // so a budget over the launch allocation hangs the CTA. The producer keeps 32 (at 24 the cp.async gather
+  // producer spilled 12-40 bytes, ptxas 2026-12-01) and each consumer thread 232, enough for its d / 2 O
+  // accumulators (64 at d = 128, 32 at d = 64), 64 S accumulators and the 32 registers of P without
+  // spilling: 32 + 2 * 232 = 496 <= 504.
+  static constexpr int kLaunchRegisters = 168;
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert(kProducerRegisters + kNumConsumerWarpGroups * kConsumerRegisters <=
+                    (kNumConsumerWarpGroups + 1) * kLaunchRegisters,
+                "setmaxnreg can only redistribute the registers the CTA was launched with");
+  static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0, "setmaxnreg takes multiples of 8");
 
   // S = Q K^T: A (Q) and B (K) from shared memory, both K-major (head dim contiguous).
   using MmaAtomQK = decltype(cute::SM90::GMMA::ss_op_selector<Element, Element, Accum,
