@@ -31,6 +31,7 @@
 #   HOPPER_REPEATS       timed runs per length [10]
 #   HOPPER_KEEP          probability of keeping a block below the diagonal band in the sparse timing [0.03]
 #   HOPPER_PAGES         page sizes timed, space separated ["128 1": the TMA path and the cp.async gather]
+#   HOPPER_HEAD_DIMS     built head dims other than 128 to time at page size 128, space separated [""]
 #   HOPPER_ALT_GATHER    also check and time these FPV2_HOPPER_GATHER layouts at page size 1, space separated
 #                        ["warp shared"; empty: skip]
 #   HOPPER_PINGPONG      1: also check and time the FPV2_HOPPER_PINGPONG=1 schedule at page size 128 [1]
@@ -57,6 +58,7 @@ LENGTHS="${HOPPER_LENGTHS:-32768,131072}"
 REPEATS="${HOPPER_REPEATS:-10}"
 KEEP="${HOPPER_KEEP:-0.03}"
 PAGES="${HOPPER_PAGES:-128 1}"
+HEAD_DIMS="${HOPPER_HEAD_DIMS:-}"
 ALT_GATHER="${HOPPER_ALT_GATHER-warp shared}"
 PINGPONG="${HOPPER_PINGPONG:-1}"
 PERSISTENT="${HOPPER_PERSISTENT:-1}"
@@ -127,7 +129,7 @@ configure_and_build() {
 
 ptxas_and_sass() {
     echo "--- ptxas report of the kernel (from build.log)"
-    # Two instantiations: <..., false> (one CTA per tile, the default) and <..., true> (persistent, opt-in).
+    # Per built head dim, three instantiations: one CTA per tile, persistent (opt-in), overlapped consumers.
     grep -A3 "Compiling entry function '.*prefill_kernel" "$OUT/build.log" || echo "(no ptxas report found)"
     grep -n "C7508\|setmaxnreg" "$OUT/build.log" && echo "!!! setmaxnreg warning above"
     # Stack frame and spill budget per instantiation (the producer's known few bytes pass; kernel state
@@ -208,6 +210,12 @@ main() {
         for page in $PAGES; do
             run_step "timing page=$page" 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_prefill_test" --mode timing \
                 --lengths "$LENGTHS" --repeats "$REPEATS" --keep "$KEEP" --page-size "$page" --seed "$SEED"
+        done
+        local head_dim
+        for head_dim in $HEAD_DIMS; do
+            run_step "timing page=128 d=$head_dim" 120 "$OUT/timing.log" "$BUILD/fpv2_hopper_prefill_test" \
+                --mode timing --head-dim "$head_dim" --lengths "$LENGTHS" --repeats "$REPEATS" --keep "$KEEP" \
+                --page-size 128 --seed "$SEED"
         done
         if [[ "$PINGPONG" == 1 ]]; then
             # The consumers' pingpong schedule (kernel variant selected by FPV2_HOPPER_PINGPONG=1): grid, then
