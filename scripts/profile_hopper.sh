@@ -8,6 +8,7 @@
 #                           L2 excessive sectors), when this ncu can print it;
 #   hot-<tag>.txt           the 60 hottest SASS instructions and the 40 hottest CUDA source lines by stall
 #                           samples, and the lines with the most excessive global sectors (scripts/ncu_hotspots.py).
+# The device returns only a few files per call: write to a scratch OUT and tar it into the call's $OUT.
 # Timing mode runs, per length, dense (warm-up + timed), sparse (2) and sparse with the correction (2):
 # launch 2k+1 is the timed one of each, so PROFILE_LAUNCHES="3 5" profiles sparse and corrected.
 #

@@ -10,9 +10,10 @@
 // Once per tile the consumers write the shift of every pooled row the tile's pooled tiles cover into a
 // shared-memory float table (coalesced reads of block_lengths, one lg2 per row), -inf for rows that are not
 // eligible: rows past n_block_masked, and the tile's kept blocks (from the CSR segment). A pooled tile then
-// costs one 8-byte shared load per pair of a thread's columns and an add and a select per score: no
-// per-column lg2 (a quarter-rate MUFU op that ptxas issued for every column even when predicated off: it
-// was half of the correction's extra time at 128K, ncu 2026-12-01).
+// costs one 8-byte shared load per pair of a thread's columns and an add and a max per score: no
+// per-column lg2 (a quarter-rate MUFU op that ptxas issued for every column even when predicated off; with
+// the byte loads and selects around it, the mask was 43% of the correction's extra time at 128K, ncu
+// 2026-12-01).
 #pragma once
 
 #include <cmath>
