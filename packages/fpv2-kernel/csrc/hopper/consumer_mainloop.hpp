@@ -136,7 +136,7 @@ struct ConsumerMainloop {
     // Q: this warpgroup's 64 packed rows, visible to all its threads before the first wgmma.
     PackGqaQueryLoader<Traits>::load(sQ, params, tile, wg, thread_in_wg);
     cutlass::arch::NamedBarrier::sync(Traits::kThreadsPerWarpGroup,
-                                      barrier_id(ConsumerBarrier::kWarpGroup1) + wg);
+                                      barrier_id(ConsumerBarrier::kQueryReadyWarpGroup1) + wg);
 
     clear(tOrO);
     OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);

@@ -7,13 +7,10 @@
 namespace fpv2::hopper {
 
 enum class ConsumerBarrier : uint32_t {
-  // + consumer warpgroup index, 128 threads: that warpgroup's Q rows are in shared memory; at the end of the
-  // tile, its output rows are staged there / read back (epilogue_store.hpp). One id serves both: the same
-  // threads meet at it in program order.
-  kWarpGroup1 = 0,
-  kWarpGroup2 = 1,
+  kQueryReadyWarpGroup1 = 0,  // + consumer warpgroup index: that warpgroup's Q rows are in shared memory
+  kQueryReadyWarpGroup2 = 1,
   kValueTailCleared = 2,      // both consumer warpgroups cleared their share of the stale V rows
-  kPendingShifts = 3,             // the correction's table of pending shifts is filled / complete
+  kPendingShifts = 3,         // the correction's table of pending shifts is filled / complete
   kTurnWarpGroup1 = 5,            // + consumer warpgroup index: that warpgroup may issue its QK product
   kTurnWarpGroup2 = 6,            //   (pingpong schedule, FPV2_HOPPER_PINGPONG=1)
 };
@@ -26,10 +23,8 @@ enum class ProducerBarrier : uint32_t {
 __device__ __forceinline__ constexpr uint32_t barrier_id(ConsumerBarrier b) { return static_cast<uint32_t>(b); }
 __device__ __forceinline__ constexpr uint32_t barrier_id(ProducerBarrier b) { return static_cast<uint32_t>(b); }
 
-}  // namespace fpv2::hopper
-
-namespace fpv2::hopper {
 static_assert(static_cast<uint32_t>(ConsumerBarrier::kTurnWarpGroup2) <= 7 &&
                   static_cast<uint32_t>(ProducerBarrier::kGatherRows) <= 7,
               "CUTLASS reserves 8 of the 16 hardware barriers: ids 0..7 are left");
+
 }  // namespace fpv2::hopper
