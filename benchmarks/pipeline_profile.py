@@ -1,0 +1,143 @@
+"""Per-kernel GPU time of one sparse prefill pipeline call, under ``torch.profiler``.
+
+``fpv2 bench`` splits a call into index / correction plan / attention by CUDA events,
+which include the host's launch gaps. This script answers the next question: which
+kernels make each stage, how long each runs on the GPU, and how much of the stage is
+host time. For each ``--seqlen`` it builds the planted workload, warms the pipeline up,
+then profiles ``--repeats`` calls and prints (and writes as JSON) the mean GPU time per
+call of every kernel, the sum, and the mean wall time per call.
+
+Usage (the four packages' ``src`` on ``PYTHONPATH``, on a GPU):
+``python benchmarks/pipeline_profile.py --seqlen 32768 131072 --page-size 128 --out OUT``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fpv2.index import SelectionConfig
+from fpv2.kernel.testing import planted_workload
+from fpv2.serving.pipeline import SparsePrefillPipeline
+
+
+def kernel_times(prof: profile, calls: int) -> dict[str, float]:
+    """Mean GPU milliseconds per call of each kernel name (device events only)."""
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / 1000.0  # us -> ms
+    return {name: ms / calls for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
+    """Profile the pipeline at one length; returns the record written to the JSON."""
+    wl = planted_workload(
+        [seqlen] * args.batch,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=args.head_dim,
+        page_size=args.page_size,
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        seed=args.seed,
+    )
+    record: dict[str, object] = {"L": seqlen, "B": args.batch, "page_size": args.page_size, "d": args.head_dim}
+    for correction in (True, False):
+        pipe = SparsePrefillPipeline(SelectionConfig(alpha=args.alpha), correction=correction, backend=args.backend)
+        for _ in range(args.warmup):
+            pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.repeats):
+                pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1000.0 / args.repeats
+        kernels = kernel_times(prof, args.repeats)
+        key = "corrected" if correction else "uncorrected"
+        host_ms, syncs, top = host_side(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch), args.repeats)  # noqa: B023
+        record[key] = {
+            "wall_ms": wall_ms,
+            "gpu_sum_ms": sum(kernels.values()),
+            "kernels_ms": kernels,
+            "host_issue_ms": host_ms,
+            "host_syncs_per_call": syncs,
+            "host_profile_top": top,
+        }
+        print(
+            f"\n== L={seqlen} B={args.batch} page {args.page_size} {key}: wall {wall_ms:.3f} ms/call, "
+            f"GPU sum {sum(kernels.values()):.3f} ms/call, host issue {host_ms:.3f} ms/call, {syncs} syncs/call"
+        )
+        for name, ms in kernels.items():
+            print(f"  {ms:8.3f}  {name[:110]}")
+        print(top)
+    return record
+
+
+def host_side(call, repeats: int) -> tuple[float, int, str]:
+    """Host cost of a call started on an idle GPU: median issue ms, host syncs per call, cProfile top 40.
+
+    The issue time is how long the call takes to return (everything launched); a sync inside
+    it (found with ``torch.cuda.set_sync_debug_mode``) would make it wait for the GPU too.
+    """
+    issue = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        issue.append((time.perf_counter() - t0) * 1000.0)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    profiler = cProfile.Profile()
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        profiler.enable()
+        call()
+        profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    return sorted(issue)[len(issue) // 2], syncs, text.getvalue()
+
+
+def main() -> None:
+    """Parse the arguments, profile each length, write ``pipeline-profile.json`` under ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlen", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("fpv2-results/pipeline-profile"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("pipeline_profile.py needs a CUDA GPU (it profiles device kernels)")
+    records = [profile_length(seqlen, args) for seqlen in args.seqlen]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline-profile.json").write_text(json.dumps(records, indent=2))
+
+
+if __name__ == "__main__":
+    main()
