@@ -73,7 +73,14 @@ CUDA_ONLY_PARAMS = [
 
 #: Every variant knob off: the plain kernel each variant is compared with (the package default turns the
 #: exact ones on, which would make a knob's comparison with the default compare it with itself).
-PLAIN = {"mma_store": False, "light_tail": False, "tree_max": False, "snake_order": False, "const_group": False}
+PLAIN = {
+    "mma_store": False,
+    "light_tail": False,
+    "tree_max": False,
+    "snake_order": False,
+    "const_group": False,
+    "prefetch_max_blocks": 0,  # the default turns the key prefetch on for short calls: off in the baseline
+}
 
 
 def _select_variant(overrides: dict, q, batch, stats, config: SelectionConfig, **kwargs):
@@ -271,8 +278,58 @@ def test_variant_knobs_are_checked_and_the_default_is_the_measured_exact_set() -
     with pytest.raises(ValueError, match="poly_exp2"):
         set_tuning(score=ScoreTuning(poly_exp2=3))
     # The package default: the bit-identical knobs that measured faster together on the H200, nothing else.
-    assert all(getattr(tuning.SCORE, name) for name in PLAIN)
+    assert all(getattr(tuning.SCORE, name) for name in PLAIN if name != "prefetch_max_blocks")
     assert not tuning.SCORE.key_prefetch and not tuning.SCORE.q_prefetch and tuning.SCORE.poly_exp2 == 0
+    # ... and the key prefetch for calls of at most 512 key blocks (64K tokens), where it measured faster.
+    assert tuning.SCORE.prefetch_max_blocks == 512
+    with pytest.raises(ValueError, match="prefetch_max_blocks"):
+        set_tuning(score=ScoreTuning(prefetch_max_blocks=-1))
+
+
+@pytest.mark.parametrize(
+    ("knobs", "max_blocks", "rows", "prefetch"),
+    [
+        (ScoreTuning(prefetch_max_blocks=512), 256, 128, True),
+        (ScoreTuning(prefetch_max_blocks=512), 512, 128, True),
+        (ScoreTuning(prefetch_max_blocks=512), 513, 128, False),  # 128K-class calls keep the two-stage loads
+        (ScoreTuning(prefetch_max_blocks=512), 0, 128, False),  # no key blocks: nothing to prefetch
+        (ScoreTuning(prefetch_max_blocks=512), 256, 64, False),  # probing: not measured, left as it was
+        (ScoreTuning(prefetch_max_blocks=512, tiles_per_program=2), 256, 128, False),  # the pair walk has none
+        (ScoreTuning(prefetch_max_blocks=0), 256, 128, False),
+        (ScoreTuning(key_prefetch=True), 4096, 128, True),  # forced on stays on
+    ],
+)
+def test_key_prefetch_is_chosen_per_call_by_the_longest_request(knobs, max_blocks, rows, prefetch) -> None:
+    chosen = knobs.for_call(max_blocks, rows, tile_size=128)
+    assert chosen.key_prefetch is prefetch
+    assert replace(chosen, key_prefetch=knobs.key_prefetch) == knobs  # nothing else changes
+
+
+def test_select_launches_with_the_per_call_knobs(monkeypatch) -> None:
+    # The selection hands the per-call choice to the kernel launch (short call: the prefetch is on).
+    w = planted_workload(
+        [50, 21], [400, 90], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, block_size=16,
+        dtype=torch.float16, device=DEVICE, seed=3,
+    )  # fmt: skip
+    config = _small_config()
+    stats = pool_blocks_triton(w.k_cache, w.v_cache, w.batch, block_size=config.block_size)
+    seen = []
+    launch = scoring.launch_score_select
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["knobs"])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr("fpv2.index.triton.api.launch_score_select", spy)
+    previous = set_tuning(score=replace(tuning.SCORE, prefetch_max_blocks=512))
+    try:
+        got = select_blocks_triton(w.q, w.batch, stats, config=config, exact_nnz=True)
+        set_tuning(score=replace(tuning.SCORE, prefetch_max_blocks=0))
+        plain = select_blocks_triton(w.q, w.batch, stats, config=config, exact_nnz=True)
+    finally:
+        set_tuning(score=previous[0])
+    assert [k.key_prefetch for k in seen] == [True, False]
+    _assert_identical(got, plain)
 
 
 def test_pair_kernel_takes_the_variants() -> None:

@@ -74,7 +74,12 @@ def test_hopper_backend_states_what_it_does_not_serve():
         cuda_q = q.cuda()
         assert hopper.serves(cuda_q, None, _batch(128), None) is None
         assert "page_size" in hopper.serves(cuda_q, None, _batch(16), None)
-        assert "head dim" in hopper.serves(cuda_q[..., :64], None, _batch(128), None)
+        assert "head dims" in hopper.serves(cuda_q[..., :96], None, _batch(128), None)  # built for none of 96
+        from fpv2.kernel._native import hopper_head_dims
+
+        for head_dim in hopper_head_dims():  # every built head dim measured faster than Triton: auto sends it
+            d_q = torch.zeros(4, 2, head_dim, dtype=torch.bfloat16, device="cuda")
+            assert hopper.serves(d_q, None, _batch(128), None) is None
         assert "bf16" in hopper.serves(cuda_q.half(), None, _batch(128), None)
 
 

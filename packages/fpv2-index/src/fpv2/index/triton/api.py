@@ -381,7 +381,8 @@ def select_blocks_triton(
     keys = matching_keys(statistics, scale_log2, kind)
     if keys is None:
         keys = launch_prepare_keys(statistics.pooled_k, scale_log2, kind)
-    knobs = tuning.SCORE  # read once: the work split, the grid, the workspace and the launch must agree
+    # Read once: the work split, the grid, the workspace and the launch must agree.
+    knobs = tuning.SCORE.for_call(max_blocks, score_rows(tile_size, config.probe_stride), tile_size)
     total_units = num_units(tiles, knobs.tiles_per_program)
     num_programs = workspace.num_programs(
         heads * total_units, device, score_rows(tile_size, config.probe_stride), statistics.head_dim

@@ -71,6 +71,11 @@ class ScoreTuning:
             the L2 latency is then hidden behind a whole step. Costs 32 registers per thread for the keys
             in flight and a register-to-shared copy of the keys per step (one more CTA barrier). One tile
             per program only (ignored with ``tiles_per_program = 2``). Same index.
+        prefetch_max_blocks: turn ``key_prefetch`` on for a call whose longest request has at most this
+            many key blocks and whose tiles score every row (0: never; see :meth:`for_call`). On the H200
+            the prefetch wins while tiles walk few steps and loses once they walk many: 0.171 against
+            0.199 ms at 32K (256 blocks), 0.495 against 0.534 ms at 64K (512), 1.665 against 1.592 ms at
+            128K (1024), same index (``results/2026-12-01-h200-index-prefetch-crossover``).
         poly_exp2: compute part of each step's exponentials with a degree-5 polynomial on the FMA pipe
             instead of ``MUFU.EX2`` (0: none; 1: a quarter of the columns, for tiles of 32 or more scored
             rows; 2: half, 16 or more): a warp's 64 ``MUFU.EX2`` per step issue once per 8 cycles (the
@@ -107,6 +112,28 @@ class ScoreTuning:
     poly_exp2: int = 0
     const_group: bool = False
     q_prefetch: bool = False
+    prefetch_max_blocks: int = 0
+
+    def for_call(self, max_blocks: int, rows: int, tile_size: int) -> ScoreTuning:
+        """The knobs one call launches with: these, with ``key_prefetch`` on when the call is short enough.
+
+        Args:
+            max_blocks: key blocks of the call's longest request.
+            rows: scored rows per tile after probing.
+            tile_size: packed rows per tile (``rows < tile_size`` means probing, which was not measured).
+
+        Returns:
+            ``self``, or a copy with ``key_prefetch=True`` when ``max_blocks <= prefetch_max_blocks``,
+            every row is scored and one tile runs per program.
+        """
+        if (
+            self.key_prefetch
+            or self.tiles_per_program != 1
+            or rows < tile_size
+            or not 0 < max_blocks <= self.prefetch_max_blocks
+        ):
+            return self
+        return replace(self, key_prefetch=True)
 
     def programs_for(self, rows: int, head_dim: int = 128) -> int:
         """Persistent programs per SM for tiles of ``rows`` scored rows (padded to a power of two).
@@ -202,8 +229,11 @@ def next_power_of_2(n: int) -> int:
 #: ``benchmarks/index_scoring_sweep.py``). H200, B=1, Hq/Hkv = 32/8, d = 128, planted, page 1
 #: (``results/2026-12-01-h200-index-scoring-sweep``): scoring kernel 1.929 -> 1.592 ms at 128K and
 #: 0.281 -> 0.198 ms at 32K, index call 2.24 -> 1.85 ms and 0.67 -> 0.40 ms, 0 (segment, block) pairs
-#: differing. ``key_prefetch`` on top helps 32K (0.171 ms) and hurts 128K (1.665 ms): left off.
-SCORE = ScoreTuning(mma_store=True, tree_max=True, light_tail=True, snake_order=True, const_group=True)
+#: differing. ``key_prefetch`` on top helps 32K (0.171 ms) and 64K and hurts 128K (1.665 ms): on for calls
+#: of at most 512 key blocks (``prefetch_max_blocks``).
+SCORE = ScoreTuning(
+    mma_store=True, tree_max=True, light_tail=True, snake_order=True, const_group=True, prefetch_max_blocks=512
+)
 POOL = PoolTuning()
 
 
@@ -234,6 +264,8 @@ def set_tuning(*, score: ScoreTuning | None = None, pool: PoolTuning | None = No
             raise ValueError(
                 f"tiles_per_program must be 1 or 2, pair_programs_per_sm and pair_num_stages >= 1, got {score}"
             )
+        if score.prefetch_max_blocks < 0:
+            raise ValueError(f"prefetch_max_blocks must be >= 0, got {score}")
         if score.poly_exp2 not in (0, 1, 2):
             raise ValueError(f"poly_exp2 must be 0, 1 or 2, got {score}")
         SCORE = replace(score)
