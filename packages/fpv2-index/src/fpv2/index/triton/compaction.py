@@ -3,13 +3,20 @@
 The selection kernel leaves one bit per (segment, block), one count per
 segment and ``offsets = [0, cumsum(counts)]`` (its last program scans the
 counts; :func:`segment_offsets` is the same scan in torch, the reference the
-tests hold it to). Then one program per segment expands its bits ``BITS`` at
-a time (the whole segment row, up to 1024 blocks, in one step at 128K tokens),
-ranks the set bits with a prefix sum and writes their block ids to
-``blocks[offsets[s] + rank]``. A program stops as soon as it has written its
-segment's count. Words past those the selection kernel wrote for the segment
-(but inside its row) may be read in the last step: their bits rank at or after
-``count`` (every written bit comes first), so they are never stored.
+tests hold it to). Then each program expands the rows of ``SEGS`` consecutive
+segments ``BITS`` at a time (a ``[SEGS, BITS]`` tile; the whole row, up to
+1024 blocks, in one step at 128K tokens), ranks each row's set bits with a
+prefix sum along the row and writes their block ids to
+``blocks[offsets[s] + rank]``. Several segments per program because one
+program per segment is latency-bound (each tiny program waits on its offsets,
+then its words, then stores: 62 us for 32768 segments on an H200 at 128K);
+``SEGS = 1`` keeps that per-segment path for A/B. A program loops until every
+one of its segments has written its count; a segment already done loads and
+stores nothing more. Words past those the selection kernel wrote for the
+segment (but inside its row) may be read in the last step: their bits rank at
+or after ``count`` (every written bit comes first), so they are never stored,
+and a stored rank lies in ``[0, count)``: no bit writes outside its own
+segment's range.
 """
 
 from __future__ import annotations
@@ -22,8 +29,12 @@ from .launcher import Relauncher
 from .tuning import next_power_of_2
 from .workspace import WORD_BITS
 
-#: Largest number of keep bits expanded per step.
+#: Largest number of keep bits expanded per step (per segment row).
 MAX_STEP_BITS = 1024
+#: Largest ``[SEGS, BITS]`` tile of one program's step, in bits.
+MAX_TILE_BITS = 4096
+#: Most segments one program handles.
+MAX_SEGMENTS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -33,26 +44,52 @@ def _compact_kernel(
     blocks_ptr,
     bits_stride,
     num_words,
+    num_segments,
     BITS: tl.constexpr,
     WORD: tl.constexpr,
+    SEGS: tl.constexpr,
 ):
-    segment = tl.program_id(0)
-    base = tl.load(offsets_ptr + segment)
-    count = tl.load(offsets_ptr + segment + 1) - base
-    bits_row = keep_bits_ptr + segment.to(tl.int64) * bits_stride
     lanes = tl.arange(0, WORD)
     step = tl.arange(0, BITS)
     words_i = tl.arange(0, BITS // WORD)
-    written = count * 0
-    w0 = count * 0
-    while (written < count) & (w0 < num_words):
-        word_ids = w0 + words_i
-        words = tl.load(bits_row + word_ids, mask=word_ids < num_words, other=0)
-        bits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BITS,))
-        rank = written + tl.cumsum(bits, axis=0) - 1
-        tl.store(blocks_ptr + base + rank, w0 * WORD + step, mask=(bits != 0) & (rank < count))
-        written += tl.sum(bits, axis=0)
-        w0 += BITS // WORD
+    if SEGS == 1:
+        # The per-segment path, as it was before several segments per program (A/B).
+        segment = tl.program_id(0)
+        base = tl.load(offsets_ptr + segment)
+        count = tl.load(offsets_ptr + segment + 1) - base
+        bits_row = keep_bits_ptr + segment.to(tl.int64) * bits_stride
+        written = count * 0
+        w0 = count * 0
+        while (written < count) & (w0 < num_words):
+            word_ids = w0 + words_i
+            words = tl.load(bits_row + word_ids, mask=word_ids < num_words, other=0)
+            bits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BITS,))
+            rank = written + tl.cumsum(bits, axis=0) - 1
+            tl.store(blocks_ptr + base + rank, w0 * WORD + step, mask=(bits != 0) & (rank < count))
+            written += tl.sum(bits, axis=0)
+            w0 += BITS // WORD
+    else:
+        first = tl.program_id(0) * SEGS
+        segments = first + tl.arange(0, SEGS)
+        live = segments < num_segments  # the last program may be partial
+        # Both offset loads are independent and hit the same lines; masked segments get count 0.
+        base = tl.load(offsets_ptr + segments, mask=live, other=0)
+        count = tl.load(offsets_ptr + segments + 1, mask=live, other=0) - base
+        rows = keep_bits_ptr + segments.to(tl.int64)[:, None] * bits_stride
+        written = count * 0
+        w0 = first * 0
+        # Trip count: the longest of the program's segments.
+        while (tl.max(count - written, axis=0) > 0) & (w0 < num_words):
+            word_ids = w0 + words_i
+            todo = written < count  # a segment done loads nothing more (and would store nothing anyway)
+            words = tl.load(rows + word_ids[None, :], mask=todo[:, None] & (word_ids < num_words)[None, :], other=0)
+            bits = tl.reshape((words[:, :, None] >> lanes[None, None, :]) & 1, (SEGS, BITS))
+            rank = written[:, None] + tl.cumsum(bits, axis=1) - 1
+            # rank >= written >= 0 on a set bit, rank < count: only the segment's own range is written.
+            keep = (bits != 0) & (rank < count[:, None])
+            tl.store(blocks_ptr + base[:, None] + rank, w0 * WORD + step[None, :], mask=keep)
+            written += tl.sum(bits, axis=1)
+            w0 += BITS // WORD
 
 
 def segment_offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -73,27 +110,66 @@ def segment_offsets(counts: torch.Tensor) -> torch.Tensor:
 _COMPACT = Relauncher(_compact_kernel)
 
 
-def launch_compact(keep_bits: torch.Tensor, offsets: torch.Tensor, blocks: torch.Tensor) -> None:
+def compact_tiling(words: int, segments_per_program: int | None = None) -> tuple[int, int, int]:
+    """The step width, segments per program and warps :func:`launch_compact` launches with.
+
+    Args:
+        words: int32 keep-bit words per segment row.
+        segments_per_program: segments per program, a power of two; None picks
+            ``min(16, 4096 // BITS)`` (a tile of at most 4096 bits), 1 is the per-segment path.
+
+    Returns:
+        ``(BITS, SEGS, num_warps)``.
+
+    Raises:
+        ValueError: when ``segments_per_program`` is not a positive power of two.
+    """
+    bits = min(MAX_STEP_BITS, max(WORD_BITS, next_power_of_2(words * WORD_BITS)))
+    if segments_per_program is None:
+        fit = max(1, min(MAX_SEGMENTS_PER_PROGRAM, MAX_TILE_BITS // bits))
+        segs = 1 << (fit.bit_length() - 1)  # largest power of two <= fit (tl.arange needs one)
+    elif segments_per_program < 1 or segments_per_program & (segments_per_program - 1):
+        raise ValueError(f"segments_per_program must be a positive power of two, got {segments_per_program}")
+    else:
+        segs = segments_per_program
+    if segs == 1:
+        num_warps = 4 if bits >= 512 else 2  # the per-segment path's launch, unchanged
+    else:
+        num_warps = 4 if segs * bits >= 2048 else 2  # not measured on a GPU yet
+    return bits, segs, num_warps
+
+
+def launch_compact(
+    keep_bits: torch.Tensor,
+    offsets: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    segments_per_program: int | None = None,
+) -> None:
     """Write every segment's kept block ids to ``blocks``, ascending, at its offset.
 
     Args:
         keep_bits: ``(S, W) int32`` keep bits (bit ``i`` of word ``w`` is block ``32 * w + i``).
         offsets: ``(S+1,) int32`` CSR offsets.
         blocks: ``(>= offsets[-1],) int32`` output; entries past ``offsets[-1]`` are left as they are.
+        segments_per_program: segments one program expands, a power of two; None (default) picks
+            them from the row width (:func:`compact_tiling`), 1 is the one-program-per-segment path.
     """
     num_segments = offsets.numel() - 1
     if num_segments == 0:
         return
     words = keep_bits.shape[1]
-    bits = min(MAX_STEP_BITS, max(WORD_BITS, next_power_of_2(words * WORD_BITS)))
+    bits, segs, num_warps = compact_tiling(words, segments_per_program)
     _COMPACT(
-        (num_segments,),
+        (triton.cdiv(num_segments, segs),),
         keep_bits,
         offsets,
         blocks,
         keep_bits.stride(0),
         words,
+        num_segments,
         BITS=bits,
         WORD=WORD_BITS,
-        num_warps=4 if bits >= 512 else 2,
+        SEGS=segs,
+        num_warps=num_warps,
     )
