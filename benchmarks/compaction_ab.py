@@ -3,7 +3,7 @@
 Builds a real index on the planted workload (the default max-threshold selection,
 one request, 32/8 heads, d 128) at each ``--seqlen``, then replays only the
 compaction on the selection's keep bits and offsets with ``segments_per_program=1``
-(the old launch) and the default rule, alternating, CUDA events around
+(the default) and ``FILL`` (a 4096-bit tile of several segments), alternating, CUDA events around
 ``--calls`` back-to-back launches; checks both write the same block ids.
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``, on a GPU):
@@ -20,7 +20,7 @@ import torch
 
 from fpv2.index import SelectionConfig
 from fpv2.index.triton import IndexWorkspace, pool_blocks_triton, select_blocks_triton
-from fpv2.index.triton.compaction import compact_tiling, launch_compact
+from fpv2.index.triton.compaction import FILL, compact_tiling, launch_compact
 from fpv2.kernel.testing import planted_workload
 
 
@@ -64,15 +64,15 @@ def main() -> None:
         keep_bits = workspace._views[1].keep_bits  # the selection's own keep bits (same shape key)
         nnz = int(index.offsets[-1])
         outputs, times = {}, {"one": [], "several": []}
-        for label, segments in (("one", 1), ("several", None)):
+        for label, segments in (("one", 1), ("several", FILL)):
             out = torch.full_like(index.blocks, -1)
             launch_compact(keep_bits, index.offsets, out, segments_per_program=segments)  # compile, then check
             outputs[label] = out[:nnz].clone()
         for _ in range(args.rounds):
-            for label, segments in (("one", 1), ("several", None)):
+            for label, segments in (("one", 1), ("several", FILL)):
                 times[label].append(time_compaction(keep_bits, index.offsets, index.blocks, segments, args.calls))
         identical = torch.equal(outputs["one"], outputs["several"]) and torch.equal(outputs["one"], index.blocks[:nnz])
-        bits, segs, warps = compact_tiling(keep_bits.shape[1])
+        bits, segs, warps = compact_tiling(keep_bits.shape[1], FILL)
         record = {
             "L": seqlen,
             "segments": index.num_segments,

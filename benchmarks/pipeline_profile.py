@@ -82,7 +82,38 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
         for name, ms in kernels.items():
             print(f"  {ms:8.3f}  {name[:110]}")
         print(top)
+        timeline = host_timeline(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch))  # noqa: B023
+        record[key]["timeline"] = timeline
+        print("  timeline (us from the first event; H = host API call, G = GPU kernel):")
+        for start, duration, where, name in timeline:
+            print(f"    {start:9.1f} {duration:8.1f} {where} {name[:90]}")
     return record
+
+
+#: Host-side events worth a line in the timeline: kernel launches, event records, copies, allocations.
+_HOST_EVENTS = ("Launch", "EventRecord", "Memcpy", "Malloc", "Synchronize", "aten::empty", "aten::copy_")
+
+
+def host_timeline(call) -> list[tuple[float, float, str, str]]:
+    """One call started on an idle GPU, as ``(start us, duration us, H|G, name)`` rows in time order.
+
+    Host rows are the CUDA runtime/driver calls and allocations the call makes; GPU rows are its
+    kernels: a gap between a launch (H) and the GPU finishing the previous kernel shows where the
+    GPU waits for the host.
+    """
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.events():
+        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        if not on_gpu and not any(tag in event.name for tag in _HOST_EVENTS):
+            continue
+        rows.append((event.time_range.start, event.time_range.elapsed_us(), "G" if on_gpu else "H", event.name))
+    rows.sort()
+    t0 = rows[0][0] if rows else 0.0
+    return [(start - t0, duration, where, name) for start, duration, where, name in rows]
 
 
 def host_side(call, repeats: int) -> tuple[float, int, str]:

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from fpv2.index.triton import compaction, interpreter_enabled
-from fpv2.index.triton.compaction import compact_tiling, launch_compact, segment_offsets
+from fpv2.index.triton.compaction import FILL, compact_tiling, launch_compact, segment_offsets
 
 INTERPRET = interpreter_enabled()
 HAS_CUDA = torch.cuda.is_available()
@@ -97,7 +97,7 @@ def _run(
     assert torch.all(got[nnz:] == SENTINEL)
 
 
-@pytest.mark.parametrize("segments_per_program", [None, 1], ids=["default", "per-segment"])
+@pytest.mark.parametrize("segments_per_program", [None, FILL, 1], ids=["default", "fill", "per-segment"])
 @pytest.mark.parametrize("words", [1, 2, 8, 32, 40])
 @pytest.mark.parametrize("num_segments", [1, 3, 17, 100])
 def test_compaction_segments_match_torch(num_segments: int, words: int, segments_per_program: int | None) -> None:
@@ -111,17 +111,17 @@ def test_compaction_explicit_segments_strided_rows(segments_per_program: int) ->
     _run(mask, counts, segments_per_program, row_pad=3)
 
 
-@pytest.mark.parametrize("segments_per_program", [None, 1], ids=["default", "per-segment"])
+@pytest.mark.parametrize("segments_per_program", [None, FILL, 1], ids=["default", "fill", "per-segment"])
 def test_compaction_segments_loop_over_steps(segments_per_program: int | None, monkeypatch) -> None:
     # 64-bit steps: 8-word rows take up to 4 steps; segments of a program finish after different steps.
     monkeypatch.setattr(compaction, "MAX_STEP_BITS", 64)
-    assert compact_tiling(8) == (64, 16, 2)
+    assert compact_tiling(8, FILL) == (64, 16, 2)
     mask, counts = _case(37, 8, seed=11)
     counts[0] = 1  # done after the first step while the others go on
     _run(mask, counts, segments_per_program)
 
 
-@pytest.mark.parametrize("segments_per_program", [None, 1], ids=["default", "per-segment"])
+@pytest.mark.parametrize("segments_per_program", [None, FILL, 1], ids=["default", "fill", "per-segment"])
 def test_compaction_segments_all_empty(segments_per_program: int | None) -> None:
     mask = torch.rand(19, 64, generator=torch.Generator().manual_seed(5)) < 0.5  # garbage only
     _run(mask, torch.zeros(19, dtype=torch.int32), segments_per_program)
@@ -129,15 +129,17 @@ def test_compaction_segments_all_empty(segments_per_program: int | None) -> None
 
 def test_compaction_tiling_rule() -> None:
     # (words -> BITS, SEGS, num_warps): tiles of at most 4096 bits, 4 warps from 2048 bits.
-    assert compact_tiling(1) == (32, 16, 2)
-    assert compact_tiling(2) == (64, 16, 2)
-    assert compact_tiling(4) == (128, 16, 4)
-    assert compact_tiling(8) == (256, 16, 4)  # 32K tokens
-    assert compact_tiling(16) == (512, 8, 4)
-    assert compact_tiling(32) == (1024, 4, 4)  # 128K tokens
-    assert compact_tiling(40) == (1024, 4, 4)  # rows past one step loop
+    assert compact_tiling(1, FILL) == (32, 16, 2)
+    assert compact_tiling(2, FILL) == (64, 16, 2)
+    assert compact_tiling(4, FILL) == (128, 16, 4)
+    assert compact_tiling(8, FILL) == (256, 16, 4)  # 32K tokens
+    assert compact_tiling(16, FILL) == (512, 8, 4)
+    assert compact_tiling(32, FILL) == (1024, 4, 4)  # 128K tokens
+    assert compact_tiling(40, FILL) == (1024, 4, 4)  # rows past one step loop
     assert compact_tiling(8, 1) == (256, 1, 2)  # the per-segment launch, as before
     assert compact_tiling(32, 1) == (1024, 1, 4)
-    for bad in (0, 3, -2):
+    # The default is the per-segment launch (measured faster on the H200 at 128K).
+    assert compact_tiling(32) == compact_tiling(32, 1) and compact_tiling(8) == compact_tiling(8, 1)
+    for bad in (3, -2, 6):
         with pytest.raises(ValueError, match="power of two"):
             compact_tiling(8, bad)

@@ -7,10 +7,12 @@ tests hold it to). Then each program expands the rows of ``SEGS`` consecutive
 segments ``BITS`` at a time (a ``[SEGS, BITS]`` tile; the whole row, up to
 1024 blocks, in one step at 128K tokens), ranks each row's set bits with a
 prefix sum along the row and writes their block ids to
-``blocks[offsets[s] + rank]``. Several segments per program because one
-program per segment is latency-bound (each tiny program waits on its offsets,
-then its words, then stores: 62 us for 32768 segments on an H200 at 128K);
-``SEGS = 1`` keeps that per-segment path for A/B. A program loops until every
+``blocks[offsets[s] + rank]``. One segment per program is the default: the
+several-segment tile (tried because each tiny program waits on its offsets,
+then its words, then stores: 62 us for 32768 segments on an H200 at 128K)
+measured 5% slower there (63.1 against 60.0 us,
+``results/2026-12-01-h200-compaction-ab``) and stays for A/B
+(``segments_per_program=FILL`` or a power of two). A program loops until every
 one of its segments has written its count; a segment already done loads and
 stores nothing more. Words past those the selection kernel wrote for the
 segment (but inside its row) may be read in the last step: their bits rank at
@@ -35,6 +37,10 @@ MAX_STEP_BITS = 1024
 MAX_TILE_BITS = 4096
 #: Most segments one program handles.
 MAX_SEGMENTS_PER_PROGRAM = 16
+#: ``segments_per_program`` value that fills a ``MAX_TILE_BITS`` tile with as many segments as fit.
+FILL = 0
+#: Segments per program when the caller names none: 1, the measured faster launch on the H200.
+DEFAULT_SEGMENTS_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -115,21 +121,26 @@ def compact_tiling(words: int, segments_per_program: int | None = None) -> tuple
 
     Args:
         words: int32 keep-bit words per segment row.
-        segments_per_program: segments per program, a power of two; None picks
-            ``min(16, 4096 // BITS)`` (a tile of at most 4096 bits), 1 is the per-segment path.
+        segments_per_program: segments per program, a power of two; :data:`FILL` picks
+            ``min(16, 4096 // BITS)`` (a tile of at most 4096 bits); None is
+            :data:`DEFAULT_SEGMENTS_PER_PROGRAM` (1, the per-segment path).
 
     Returns:
         ``(BITS, SEGS, num_warps)``.
 
     Raises:
-        ValueError: when ``segments_per_program`` is not a positive power of two.
+        ValueError: when ``segments_per_program`` is not FILL, None or a positive power of two.
     """
     bits = min(MAX_STEP_BITS, max(WORD_BITS, next_power_of_2(words * WORD_BITS)))
     if segments_per_program is None:
+        segments_per_program = DEFAULT_SEGMENTS_PER_PROGRAM
+    if segments_per_program == FILL:
         fit = max(1, min(MAX_SEGMENTS_PER_PROGRAM, MAX_TILE_BITS // bits))
         segs = 1 << (fit.bit_length() - 1)  # largest power of two <= fit (tl.arange needs one)
     elif segments_per_program < 1 or segments_per_program & (segments_per_program - 1):
-        raise ValueError(f"segments_per_program must be a positive power of two, got {segments_per_program}")
+        raise ValueError(
+            f"segments_per_program must be FILL (0), None or a positive power of two, got {segments_per_program}"
+        )
     else:
         segs = segments_per_program
     if segs == 1:
@@ -152,8 +163,9 @@ def launch_compact(
         keep_bits: ``(S, W) int32`` keep bits (bit ``i`` of word ``w`` is block ``32 * w + i``).
         offsets: ``(S+1,) int32`` CSR offsets.
         blocks: ``(>= offsets[-1],) int32`` output; entries past ``offsets[-1]`` are left as they are.
-        segments_per_program: segments one program expands, a power of two; None (default) picks
-            them from the row width (:func:`compact_tiling`), 1 is the one-program-per-segment path.
+        segments_per_program: segments one program expands, a power of two, or :data:`FILL` (as many
+            as a 4096-bit tile holds); None (default) is :data:`DEFAULT_SEGMENTS_PER_PROGRAM`
+            (:func:`compact_tiling`).
     """
     num_segments = offsets.numel() - 1
     if num_segments == 0:
