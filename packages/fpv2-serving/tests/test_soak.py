@@ -213,6 +213,20 @@ def test_cpu_soak_through_the_dense_strategy_matches_dense_attention():
     assert run_soak(cfg, device="cpu", on_call=matches).error is None
 
 
+def test_soak_starts_from_fresh_index_workspaces():
+    # The strategy's cached workspaces keep the capacity of the largest call this process made (a 32K test
+    # earlier in the same pytest run once made the GPU soak's bytes exceed its 4K formula): the soak drops them.
+    from fpv2.index import get_strategy
+
+    strategy = get_strategy("max_threshold")
+    big = IndexWorkspace("cpu")
+    big.reserve(num_programs=8, max_blocks=256, num_segments=64, device=torch.device("cpu"))
+    strategy._workspaces[(torch.device("cpu"), 0)] = big
+    assert run_soak(SoakConfig.for_cpu(calls=2), device="cpu").error is None
+    assert big not in strategy._workspaces.values()
+    assert strategy.release_workspaces() == len(strategy._workspaces) == 0
+
+
 def test_a_leak_makes_the_cpu_soak_fail():
     cfg = SoakConfig.for_cpu(calls=40, rss_growth_bound=8 * MIB)
     kept = []

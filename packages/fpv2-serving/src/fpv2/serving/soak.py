@@ -66,7 +66,7 @@ from typing import NamedTuple
 
 import torch
 
-from fpv2.index import SelectionConfig
+from fpv2.index import SelectionConfig, get_strategy
 from fpv2.index.triton.workspace import IndexWorkspace
 from fpv2.kernel import PagedPrefillBatch
 from fpv2.kernel.contracts import HostBatchView, num_key_blocks, num_query_tiles
@@ -839,6 +839,11 @@ def run_soak(
         pipeline, backend_name = build_pipeline(cfg)
     workload = _Workload(cfg, device)
     result = SoakResult(cfg, str(device), backend_name, [])
+    # The strategy's index workspaces outlive calls (and earlier runs in this process): start them fresh,
+    # so the bytes held measure this soak's compositions only.
+    release = getattr(get_strategy(cfg.strategy), "release_workspaces", None)
+    if callable(release):
+        release()
     steady_sites: Counter[str] = Counter()
     counter = SyncCounter(active=cfg.count_syncs and device.type == "cuda")
     began = time.perf_counter()

@@ -34,6 +34,20 @@ class MaxThresholdStrategy:
         # share scratch; buffers grow to the largest call and are not reallocated per call.
         self._workspaces: dict[tuple[torch.device, int], object] = {}
 
+    def release_workspaces(self) -> int:
+        """Drop the cached index workspaces (their buffers are freed once no call holds their views).
+
+        The workspaces keep the capacity of the largest call they served; release them to give that
+        memory back after an unusually long request, or to measure a workload's scratch from a fresh
+        start (``fpv2.serving.soak`` does).
+
+        Returns:
+            The number of workspaces dropped.
+        """
+        dropped = len(self._workspaces)
+        self._workspaces.clear()
+        return dropped
+
     def _workspace_for(self, device: torch.device):
         """The index workspace of ``device``'s current stream (created on first use)."""
         from ..triton import IndexWorkspace
