@@ -5,7 +5,9 @@ which include the host's launch gaps. This script answers the next question: whi
 kernels make each stage, how long each runs on the GPU, and how much of the stage is
 host time. For each ``--seqlen`` it builds the planted workload, warms the pipeline up,
 then profiles ``--repeats`` calls and prints (and writes as JSON) the mean GPU time per
-call of every kernel, the sum, and the mean wall time per call.
+call of every kernel, the sum, and the mean wall time per call; then the host side (issue time,
+syncs, cProfile) and a host/GPU timeline. ``--marks-only`` instead times, without the profiler,
+when the host issued each launch and when the GPU got past it (:func:`host_marks`).
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``, on a GPU):
 ``python benchmarks/pipeline_profile.py --seqlen 32768 131072 --page-size 128 --out OUT``
@@ -58,6 +60,20 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
         for _ in range(args.warmup):
             pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
         torch.cuda.synchronize()
+        key = "corrected" if correction else "uncorrected"
+        if args.marks_only:  # no profiler in this process: its launch hooks would slow every Triton launch
+            record[key] = {}
+            for spin in (False, True):
+                marks = host_marks(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch), args.repeats, spin)  # noqa: B023
+                record[key]["host_marks_spin" if spin else "host_marks"] = marks
+                print(
+                    f"\n== L={seqlen} B={args.batch} page {args.page_size} {key}, waited by "
+                    f"{'polling' if spin else 'synchronize'}: host marks (median ms after the call's start: "
+                    "host issued, GPU past it)"
+                )
+                for label, host_ms, gpu_ms in marks:
+                    print(f"    {label:28s} host {host_ms:7.3f}  GPU {gpu_ms:7.3f}")
+            continue
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             for _ in range(args.repeats):
@@ -65,7 +81,6 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
             torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - t0) * 1000.0 / args.repeats
         kernels = kernel_times(prof, args.repeats)
-        key = "corrected" if correction else "uncorrected"
         host_ms, syncs, top = host_side(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch), args.repeats)  # noqa: B023
         record[key] = {
             "wall_ms": wall_ms,
@@ -82,12 +97,81 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
         for name, ms in kernels.items():
             print(f"  {ms:8.3f}  {name[:110]}")
         print(top)
+        marks = host_marks(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch), args.repeats)  # noqa: B023
+        record[key]["host_marks"] = marks
+        print("  host marks (median ms after the call's start: host issued, GPU past it):")
+        for label, host_ms, gpu_ms in marks:
+            print(f"    {label:28s} host {host_ms:7.3f}  GPU {gpu_ms:7.3f}")
         timeline = host_timeline(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch))  # noqa: B023
         record[key]["timeline"] = timeline
         print("  timeline (us from the first event; H = host API call, G = GPU kernel):")
         for start, duration, where, name in timeline:
             print(f"    {start:9.1f} {duration:8.1f} {where} {name[:90]}")
     return record
+
+
+#: Functions whose return is marked by ``host_marks``: (module, attribute, label).
+_MARKED = (
+    ("fpv2.index.triton.api", "launch_pool", "pool launched"),
+    ("fpv2.index.triton.api", "launch_score_select", "scoring launched"),
+    ("fpv2.index.triton.api", "launch_compact", "compaction launched"),
+    ("fpv2.kernel._native", "hopper_prefill", "attention launched"),
+)
+
+
+def host_marks(call, repeats: int) -> list[tuple[str, float, float]]:
+    """When the host issued each launch and when the GPU got past it, without the profiler.
+
+    The profiler's timeline is distorted (its Triton launch hooks send every launch through
+    ``JITFunction.run``). Here each marked function is wrapped: on its return the host time
+    (``perf_counter``) is taken and a CUDA event recorded; a start event and time open the call,
+    which starts on an idle GPU like a ``fpv2 bench`` sample. Rows: ``(label, host ms, GPU ms)``
+    after the start, medians of ``repeats`` calls; a GPU time well after the host time of the
+    next launch means the GPU waited for that launch.
+    """
+    import importlib
+    from unittest import mock
+
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for _ in range(repeats):
+        marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+        def wrap(fn, label, marks=marks):
+            def marked(*a, **k):
+                out = fn(*a, **k)
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                marks.append((label, time.perf_counter(), event))
+                return out
+
+            return marked
+
+        patches = [
+            mock.patch.object(importlib.import_module(m), name, wrap(getattr(importlib.import_module(m), name), label))
+            for m, name, label in _MARKED
+        ]
+        for patch in patches:
+            patch.start()
+        try:
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            call()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            marks.append(("call returned / GPU done", time.perf_counter(), end))
+            end.synchronize()
+        finally:
+            for patch in patches:
+                patch.stop()
+        for label, host, event in marks:
+            samples[label].append(((host - t0) * 1000.0, start.elapsed_time(event)))
+    rows = []
+    for label, values in samples.items():
+        hosts, gpus = sorted(v[0] for v in values), sorted(v[1] for v in values)
+        rows.append((label, hosts[len(hosts) // 2], gpus[len(gpus) // 2]))
+    return rows
 
 
 #: Host-side events worth a line in the timeline: kernel launches, event records, copies, allocations.
@@ -162,6 +246,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("fpv2-results/pipeline-profile"))
+    parser.add_argument(
+        "--marks-only", action="store_true", help="only the host/GPU launch marks, without the profiler in the process"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("pipeline_profile.py needs a CUDA GPU (it profiles device kernels)")
