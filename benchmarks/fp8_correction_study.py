@@ -53,7 +53,6 @@ class E4m3Correction:
     def __init__(self, value_amax: torch.Tensor) -> None:
         self.value_amax = value_amax  # (total_blocks, Hkv, d) -> per (request, head, feature) amax rows
         self.pseudo_columns = 0
-        self._pseudo_keys = reference_sparse._pseudo_keys
         self._masked_softmax = reference_attention.masked_softmax
 
     def pseudo_keys(self, rows, stats, stat_rows, kv_head, scale):

@@ -6,8 +6,9 @@ kernels make each stage, how long each runs on the GPU, and how much of the stag
 host time. For each ``--seqlen`` it builds the planted workload, warms the pipeline up,
 then profiles ``--repeats`` calls and prints (and writes as JSON) the mean GPU time per
 call of every kernel, the sum, and the mean wall time per call; then the host side (issue time,
-syncs, cProfile) and a host/GPU timeline. ``--marks-only`` instead times, without the profiler,
-when the host issued each launch and when the GPU got past it (:func:`host_marks`).
+syncs, cProfile). ``--marks-only`` instead times, without the profiler in the process, when the
+host issued each launch and when the GPU got past it (:func:`host_marks`): the profiler's own
+timeline is no guide to host gaps, as its Triton launch hooks slow every launch.
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``, on a GPU):
 ``python benchmarks/pipeline_profile.py --seqlen 32768 131072 --page-size 128 --out OUT``
@@ -97,16 +98,6 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
         for name, ms in kernels.items():
             print(f"  {ms:8.3f}  {name[:110]}")
         print(top)
-        marks = host_marks(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch), args.repeats)  # noqa: B023
-        record[key]["host_marks"] = marks
-        print("  host marks (median ms after the call's start: host issued, GPU past it):")
-        for label, host_ms, gpu_ms in marks:
-            print(f"    {label:28s} host {host_ms:7.3f}  GPU {gpu_ms:7.3f}")
-        timeline = host_timeline(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch))  # noqa: B023
-        record[key]["timeline"] = timeline
-        print("  timeline (us from the first event; H = host API call, G = GPU kernel):")
-        for start, duration, where, name in timeline:
-            print(f"    {start:9.1f} {duration:8.1f} {where} {name[:90]}")
     return record
 
 
@@ -172,32 +163,6 @@ def host_marks(call, repeats: int) -> list[tuple[str, float, float]]:
         hosts, gpus = sorted(v[0] for v in values), sorted(v[1] for v in values)
         rows.append((label, hosts[len(hosts) // 2], gpus[len(gpus) // 2]))
     return rows
-
-
-#: Host-side events worth a line in the timeline: kernel launches, event records, copies, allocations.
-_HOST_EVENTS = ("Launch", "EventRecord", "Memcpy", "Malloc", "Synchronize", "aten::empty", "aten::copy_")
-
-
-def host_timeline(call) -> list[tuple[float, float, str, str]]:
-    """One call started on an idle GPU, as ``(start us, duration us, H|G, name)`` rows in time order.
-
-    Host rows are the CUDA runtime/driver calls and allocations the call makes; GPU rows are its
-    kernels: a gap between a launch (H) and the GPU finishing the previous kernel shows where the
-    GPU waits for the host.
-    """
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    rows = []
-    for event in prof.events():
-        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
-        if not on_gpu and not any(tag in event.name for tag in _HOST_EVENTS):
-            continue
-        rows.append((event.time_range.start, event.time_range.elapsed_us(), "G" if on_gpu else "H", event.name))
-    rows.sort()
-    t0 = rows[0][0] if rows else 0.0
-    return [(start - t0, duration, where, name) for start, duration, where, name in rows]
 
 
 def host_side(call, repeats: int) -> tuple[float, int, str]:

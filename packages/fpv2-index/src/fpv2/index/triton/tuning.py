@@ -13,6 +13,7 @@ near-threshold rounding of a different chunking).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 
@@ -133,7 +134,7 @@ class ScoreTuning:
             or not 0 < max_blocks <= self.prefetch_max_blocks
         ):
             return self
-        return replace(self, key_prefetch=True)
+        return _with_key_prefetch(self)
 
     def programs_for(self, rows: int, head_dim: int = 128) -> int:
         """Persistent programs per SM for tiles of ``rows`` scored rows (padded to a power of two).
@@ -189,6 +190,12 @@ class ScoreTuning:
         if head_dim > 128:
             return None
         return self.pair_maxnreg if self.tiles_per_program == 2 and rows >= 128 else self.maxnreg
+
+
+@functools.lru_cache(maxsize=16)
+def _with_key_prefetch(knobs: ScoreTuning) -> ScoreTuning:
+    """``knobs`` with ``key_prefetch`` on, built once per knob set (``for_call`` runs on every index call)."""
+    return replace(knobs, key_prefetch=True)
 
 
 @dataclass(frozen=True)
