@@ -247,6 +247,8 @@ class HopperBackend:
     derives_todo = True
     #: Page-size multiple, head dim and block size of the kernel's TMA path.
     kv_tile = 128
+    #: The loaded library's built head dims, read on the first ``serves`` (None until then).
+    _head_dims: tuple[int, ...] | None = None
 
     def serves(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
@@ -298,7 +300,7 @@ class HopperBackend:
 
     def _built_head_dims(self) -> tuple[int, ...]:
         """The library's built head dims, read once per backend (``serves`` runs on every call)."""
-        built = getattr(self, "_head_dims", None)
+        built = self._head_dims
         if built is None:
             from fpv2.kernel._native import hopper_head_dims
 
