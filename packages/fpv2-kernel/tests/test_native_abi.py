@@ -9,7 +9,9 @@ Run against a library you built, e.g. from the repository root::
         PYTHONPATH=packages/fpv2-kernel/src pytest packages/fpv2-kernel/tests/test_native_abi.py
 
 Without ``FPV2_KERNEL_LIBRARY`` the copy installed in the wheel (``fpv2/kernel/lib``) is used.
-The module is skipped when no library is found, unless ``FPV2_REQUIRE_NATIVE=1``.
+The tests that call the library (``needs_library``) are skipped when none is found or it speaks an
+older ABI than the binding (build it from the same tree), unless ``FPV2_REQUIRE_NATIVE=1``; the
+checks of the header against the ctypes mirrors and of the struct builders run without it.
 """
 
 from __future__ import annotations
@@ -44,27 +46,29 @@ from fpv2.kernel.contracts import (
     tile_span,
 )
 from fpv2.kernel.reference.correction_rule import todo_words
+from fpv2.kernel.reference.pooled_e4m3 import PooledE4M3, quantize_pooled_e4m3_reference
 from fpv2.kernel.reference.pooling import pool_blocks
 
 try:
     LIB = native.load_native_library()
     LIB_PATH = native.library_path()
+    NO_LIBRARY = ""
 except native.NativeLibraryError as _exc:
     if os.environ.get("FPV2_REQUIRE_NATIVE") == "1":
         pytest.fail(f"FPV2_REQUIRE_NATIVE=1 but libfpv2_kernel is unusable: {_exc}", pytrace=False)
-    pytest.skip(
-        f"libfpv2_kernel not available ({_exc}); build it and set FPV2_KERNEL_LIBRARY to run these tests",
-        allow_module_level=True,
-    )
+    LIB, LIB_PATH = None, None
+    NO_LIBRARY = f"libfpv2_kernel not available ({_exc}); build it and set FPV2_KERNEL_LIBRARY to run this test"
+#: Marks the tests that call into the library.
+needs_library = pytest.mark.skipif(LIB is None, reason=NO_LIBRARY)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 IN_TREE_HEADER = PACKAGE_ROOT / "include" / "fpv2" / "fpv2.h"
-INSTALLED_HEADER = LIB_PATH.resolve().parent.parent / "include" / "fpv2" / "fpv2.h"
+INSTALLED_HEADER = LIB_PATH.resolve().parent.parent / "include" / "fpv2" / "fpv2.h" if LIB_PATH else None
 CHECK_SYMBOLS = PACKAGE_ROOT / "tools" / "check_symbols.py"
-HEADERS = [h for h in (IN_TREE_HEADER, INSTALLED_HEADER) if h.is_file()]
+HEADERS = [h for h in (IN_TREE_HEADER, INSTALLED_HEADER) if h is not None and h.is_file()]
 Status = native.Status
 DType = native.DType
-HAS_KERNEL = bool(LIB.fpv2_hopper_kernel_available())
+HAS_KERNEL = LIB is not None and bool(LIB.fpv2_hopper_kernel_available())
 #: Head dims with a compiled Hopper instantiation (from the build description; () without the kernel).
 BUILT_HEAD_DIMS = native.hopper_head_dims()
 
@@ -162,6 +166,7 @@ def _validate(args: cs.PrefillArgsStruct) -> int:
 
 
 # --------------------------------------------------------------------------------------------- handshake
+@needs_library
 @pytest.mark.parametrize("header", HEADERS, ids=lambda h: "installed" if h == INSTALLED_HEADER else "in-tree")
 def test_abi_version_matches_header(header: Path) -> None:
     defines = _defines(header)
@@ -209,6 +214,7 @@ def test_newer_minor_is_accepted() -> None:
     native.check_abi_version((1, 0), "lib.so", (1, 0))
 
 
+@needs_library
 def test_build_info_and_status_strings() -> None:
     info = LIB.fpv2_get_build_info().decode()
     assert "nvcc" in info and "sm_90a" in info and "CUTLASS 4.2" in info
@@ -238,6 +244,10 @@ def test_struct_layout_matches_c_compiler(tmp_path: Path) -> None:
         for name, *_ in cls._fields_:
             lines.append(f'  printf("{cls.c_name}.{name} %zu\\n", offsetof({cls.c_name}, {name}));')
             expected.append(f"{cls.c_name}.{name} {getattr(cls, name).offset}")
+    # The ABI 1.1 plan size a library still accepts: where the E4M3 copies begin, frozen at 496 bytes.
+    lines.append('  printf("FPV2_CORRECTION_PLAN_SIZE_V1_1 %u\\n", (unsigned)FPV2_CORRECTION_PLAN_SIZE_V1_1);')
+    expected.append(f"FPV2_CORRECTION_PLAN_SIZE_V1_1 {cs.CorrectionPlanStruct.pooled_k_e4m3.offset}")
+    assert cs.CORRECTION_PLAN_SIZE_V1_1 == cs.CorrectionPlanStruct.pooled_k_e4m3.offset == 496
     lines += ["  return 0;", "}"]
     source = tmp_path / "layout.c"
     source.write_text("\n".join(lines) + "\n")
@@ -270,6 +280,55 @@ def test_tensor_desc_mapping() -> None:
         cs.tensor_desc(torch.zeros(1, 1, 1, 1, 1), "x")
 
 
+def _e4m3_case() -> tuple[Case, BlockIndex, CorrectionPlan, PooledE4M3]:
+    """The standard case on 128-token pages, with its plan's E4M3 copies (from the reference)."""
+    case = Case(page_size=128)
+    index, plan = case.index_and_plan()
+    stats = plan.statistics
+    return case, index, plan, quantize_pooled_e4m3_reference(stats.pooled_k, stats.pooled_v, stats.block_offsets)
+
+
+def test_correction_plan_struct_fills_the_e4m3_copies() -> None:
+    case, index, plan, copies = _e4m3_case()
+    stats = plan.statistics
+    struct = cs.correction_plan_struct(plan, pooled_dtype=torch.bfloat16, pooled_e4m3=copies)
+    # With the copies, the float32 statistics go over as they are (the FP8 correction does not read them).
+    assert struct.pooled_k.dtype == struct.pooled_v.dtype == DType.F32
+    assert struct.pooled_k.data == stats.pooled_k.data_ptr() and struct.pooled_v.data == stats.pooled_v.data_ptr()
+    fields = {
+        "pooled_k_e4m3": (copies.k, DType.E4M3),
+        "pooled_vt_e4m3": (copies.vt, DType.E4M3),
+        "e4m3_offsets": (copies.offsets, DType.I32),
+        "e4m3_scales": (copies.scales, DType.F32),
+    }
+    rows = copies.rows
+    assert copies.k.shape == (rows, case.num_kv_heads, case.head_dim) and rows % 16 == 0
+    assert copies.vt.shape == (case.num_kv_heads, case.head_dim, rows)
+    for name, (tensor, code) in fields.items():
+        desc = getattr(struct, name)
+        assert desc.data == tensor.data_ptr() and desc.dtype == code and desc.ndim == tensor.dim(), name
+        assert list(desc.shape)[: tensor.dim()] == list(tensor.shape), name
+        assert list(desc.strides)[: tensor.dim()] == list(tensor.stride()), name
+    # Without them the four fields are absent and pooled_dtype applies.
+    plain = cs.correction_plan_struct(plan, pooled_dtype=torch.bfloat16)
+    assert plain.pooled_k.dtype == plain.pooled_v.dtype == DType.BF16
+    for name in fields:
+        assert getattr(plain, name).data is None and getattr(plain, name).ndim == 0, name
+    with pytest.raises(TypeError, match="pooled_e4m3 must be a PooledE4M3"):
+        cs.correction_plan_struct(plan, pooled_e4m3=copies.k)
+    # prefill_args_struct forwards them, and the struct keeps them alive.
+    _, _, _, copies = _e4m3_case()
+    args = case.args(index=index, plan=plan, pooled_e4m3=copies)
+    assert args.correction.contents.pooled_vt_e4m3.data == copies.vt.data_ptr()
+    alive = weakref.ref(copies.vt)
+    del copies, fields
+    gc.collect()
+    assert alive() is not None
+    del args
+    gc.collect()
+    assert alive() is None
+
+
 def test_args_keep_tensors_alive() -> None:
     case = Case()
     q = case.q.clone()
@@ -299,19 +358,23 @@ def _sized_calls(case: Case) -> list[tuple[ctypes.Structure, object]]:
     ]
 
 
+@needs_library
 def test_too_small_struct_size_is_rejected() -> None:
     case = Case()
     for struct, call in _sized_calls(case):
         size = ctypes.sizeof(struct)
+        # The correction plan's ABI 1.1 size is still read (without the E4M3 copies): smaller is refused.
+        smallest = cs.CORRECTION_PLAN_SIZE_V1_1 if isinstance(struct, cs.CorrectionPlanStruct) else size
         assert call(struct) == Status.OK, _last_error()
-        struct.struct_size = size - 8
+        struct.struct_size = smallest - 8
         assert call(struct) == Status.INVALID_ARGUMENT
         message = _last_error()
         name = type(struct).c_name
-        assert f"{name}.struct_size={size - 8}" in message and f"{name} ({size} bytes" in message, message
+        assert f"{name}.struct_size={smallest - 8}" in message and f"{name} ({size} bytes" in message, message
         struct.struct_size = size
 
 
+@needs_library
 def test_larger_struct_size_from_newer_minor_is_accepted() -> None:
     case = Case()
     for struct, call in _sized_calls(case):
@@ -323,6 +386,22 @@ def test_larger_struct_size_from_newer_minor_is_accepted() -> None:
         assert call(grown) == Status.OK, _last_error()
 
 
+@needs_library
+def test_plan_of_the_abi_1_1_size_is_read_without_its_tail() -> None:
+    case, index, plan, copies = _e4m3_case()
+    args = case.args(index=index, plan=plan, pooled_e4m3=copies)
+    plan_s, batch = args.correction.contents, args.batch
+    assert LIB.fpv2_validate_correction_plan(ctypes.byref(plan_s), batch) == Status.OK, _last_error()
+    plan_s.e4m3_scales = cs.tensor_desc(None)  # three of the four copies: refused, naming the missing one
+    assert LIB.fpv2_validate_correction_plan(ctypes.byref(plan_s), batch) == Status.INVALID_ARGUMENT
+    assert "fpv2_correction_plan_t" in _last_error() and "e4m3_scales" in _last_error()
+    # A caller built against ABI 1.1 sets the old size: the fields past it are not read, whatever they hold.
+    plan_s.struct_size = cs.CORRECTION_PLAN_SIZE_V1_1
+    assert LIB.fpv2_validate_correction_plan(ctypes.byref(plan_s), batch) == Status.OK, _last_error()
+    assert _validate(args) == Status.OK, _last_error()
+
+
+@needs_library
 def test_null_pointers_are_rejected() -> None:
     assert LIB.fpv2_validate_paged_batch(None) == Status.INVALID_ARGUMENT
     assert "batch is NULL" in _last_error() and "fpv2_paged_batch_t" in _last_error()
@@ -468,6 +547,7 @@ BAD_CASES = [
 ]
 
 
+@needs_library
 @pytest.mark.parametrize(("make", "status", "fragments"), BAD_CASES, ids=[c[0].__name__.strip("_") for c in BAD_CASES])
 def test_bad_fields_are_rejected_with_a_message(make, status: Status, fragments: list[str]) -> None:
     args = make(Case())
@@ -483,6 +563,7 @@ def test_bad_fields_are_rejected_with_a_message(make, status: Status, fragments:
     assert str(info.value) == message
 
 
+@needs_library
 def test_python_api_raises_with_the_library_message() -> None:
     case = Case(num_q_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match=r"Hq % Hkv != 0.*Hq=6.*Hkv=4"):
@@ -540,6 +621,7 @@ def _valid_variants() -> dict[str, cs.PrefillArgsStruct]:
     return variants
 
 
+@needs_library
 @pytest.mark.parametrize("name", list(_valid_variants()))
 def test_valid_arguments_pass(name: str) -> None:
     args = _valid_variants()[name]
@@ -547,6 +629,7 @@ def test_valid_arguments_pass(name: str) -> None:
     assert _last_error() == ""
 
 
+@needs_library
 def test_valid_structs_pass_alone() -> None:
     case = Case()
     index, plan = case.index_and_plan()
@@ -558,6 +641,7 @@ def test_valid_structs_pass_alone() -> None:
 
 
 # --------------------------------------------------------------------------------------------- prefill
+@needs_library
 @pytest.mark.skipif(HAS_KERNEL, reason="this library contains the Hopper kernel (built with it by default)")
 def test_prefill_reports_not_built() -> None:
     case = Case()
@@ -575,6 +659,7 @@ def test_prefill_reports_not_built() -> None:
     assert available is False and "not part of this build" in reason
 
 
+@needs_library
 @pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tensors of this case must not reach a GPU launch")
 @pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS or [128])
@@ -591,6 +676,7 @@ def test_prefill_with_the_kernel_but_no_gpu_reports_the_cuda_failure(head_dim: i
     assert available is False and "CUDA" in reason
 
 
+@needs_library
 @pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")
 @pytest.mark.parametrize("head_dim", [d for d in SUPPORTED_HEAD_DIMS if d not in BUILT_HEAD_DIMS] or [None])
 def test_head_dims_without_an_instantiation_are_refused_by_name(head_dim: int | None) -> None:
@@ -611,6 +697,7 @@ def test_head_dims_without_an_instantiation_are_refused_by_name(head_dim: int | 
     assert str(info.value) == message
 
 
+@needs_library
 @pytest.mark.skipif(not HAS_KERNEL, reason="this library was built without the Hopper kernel")
 def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> None:
     # Read before any device work, so the refusal shows on machines without a GPU too.
@@ -653,6 +740,7 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     assert "FPV2_HOPPER_REQUEST_MAJOR=yes" in _last_error()
 
 
+@needs_library
 def test_pooled_statistics_may_be_bf16_but_both_alike() -> None:
     case = Case()
     index, plan = case.index_and_plan()
@@ -667,6 +755,7 @@ def test_pooled_statistics_may_be_bf16_but_both_alike() -> None:
 
 
 # --------------------------------------------------------------------------------------------- threads
+@needs_library
 def test_last_error_is_thread_local() -> None:
     bad = Case().args()
     bad.flags = 0
@@ -695,6 +784,7 @@ def _check_symbols(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(CHECK_SYMBOLS), *args], capture_output=True, text=True, check=False)
 
 
+@needs_library
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
 def test_exported_symbols_are_exactly_the_abi() -> None:
     result = _check_symbols(str(LIB_PATH), "--header", str(IN_TREE_HEADER))
@@ -702,6 +792,7 @@ def test_exported_symbols_are_exactly_the_abi() -> None:
     assert "OK" in result.stdout
 
 
+@needs_library
 @pytest.mark.skipif(shutil.which("nm") is None or shutil.which("cc") is None, reason="needs nm and cc")
 def test_symbol_check_catches_leaks_and_missing_functions(tmp_path: Path) -> None:
     source = tmp_path / "leaky.c"

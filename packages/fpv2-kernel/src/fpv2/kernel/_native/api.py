@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import re
 
 import torch
 
 from ..contracts import BlockIndex, CorrectionPlan, PagedPrefillBatch
+from ..reference.pooled_e4m3 import PooledE4M3
 from .codes import Status
 from .errors import HopperKernelNotBuiltError, NativeError, NativeLibraryError, UnsupportedConfigurationError
 from .library import load_native_library, native_status
-from .structs import prefill_args_struct
+from .structs import _stream_handle, prefill_args_struct
+
+#: Environment switch of the FP8 pooled products of the Hopper correction ("1" on; off by default until
+#: its device A/B is measured).
+POOLED_E4M3_ENV = "FPV2_HOPPER_POOLED_E4M3"
+#: Page sizes the Hopper kernel loads with TMA (multiples of this); only they serve the E4M3 copies.
+TMA_PAGE_MULTIPLE = 128
 
 #: Exception class per status code; codes not listed raise :class:`NativeError`.
 _EXCEPTIONS: dict[int, type[Exception]] = {
@@ -119,6 +128,7 @@ def hopper_prefill(
     softmax_scale: float = 0.0,
     stream: object = None,
     workspace: torch.Tensor | None = None,
+    pooled_e4m3: bool | None = None,
 ) -> torch.Tensor:
     """Causal (block-sparse) paged prefill with the Hopper kernel of ``libfpv2_kernel``.
 
@@ -133,6 +143,13 @@ def hopper_prefill(
     kernel reports ``FPV2_ERROR_NOT_BUILT``, raised as
     :class:`HopperKernelNotBuiltError`.
 
+    With ``pooled_e4m3`` on, the correction's pooled products run on FP8 tensor cores
+    instead: the plan's pooled K/V are quantised once per call to E4M3 copies
+    (:func:`fpv2.kernel.triton.pooled_e4m3.quantize_pooled_e4m3`, one Triton launch on
+    ``stream``, no host sync; needs the ``triton`` extra) and no bf16 copy is made.
+    That FP8 path serves page sizes that are multiples of 128 (the TMA path); other
+    pages keep the bf16 pooled copies whatever the switch says.
+
     Args:
         q: ``(total_q, Hq, d)`` packed queries (f16, bf16 or float8_e4m3fn).
         k_cache, v_cache: ``(num_pages, page_size, Hkv, d)`` paged cache in q's dtype.
@@ -145,17 +162,22 @@ def hopper_prefill(
         softmax_scale: score scale; 0 selects ``1/sqrt(d)``.
         stream: CUDA stream; None uses q's current stream.
         workspace: optional device scratch memory.
+        pooled_e4m3: use the E4M3 pooled copies when a plan is given and the page size is a
+            multiple of 128; None reads ``$FPV2_HOPPER_POOLED_E4M3`` ("1" on, anything else
+            or unset off: off by default until the device A/B is measured).
 
     Returns:
         ``out``.
 
     Raises:
+        ImportError: the E4M3 copies were asked for but Triton is not installed.
         HopperKernelNotBuiltError: the kernel is not part of the loaded library.
         ValueError, UnsupportedConfigurationError: invalid or unsupported arguments.
         NativeError: a CUDA or internal failure.
         NativeLibraryError: the library is not available.
     """
     lib = load_native_library()
+    copies = _pooled_e4m3_copies(plan, k_cache, pooled_e4m3, stream)
     args = prefill_args_struct(
         q,
         k_cache,
@@ -171,10 +193,47 @@ def hopper_prefill(
         softmax_scale=softmax_scale,
         stream=stream,
         workspace=workspace,
-        pooled_dtype=torch.bfloat16,
+        pooled_dtype=None if copies is not None else torch.bfloat16,
+        pooled_e4m3=copies,
     )
     check_status(lib.fpv2_prefill(ctypes.byref(args)))
     return out
+
+
+def _pooled_e4m3_copies(
+    plan: CorrectionPlan | None, k_cache: torch.Tensor, pooled_e4m3: bool | None, stream: object
+) -> PooledE4M3 | None:
+    """The plan's E4M3 pooled copies when they are asked for and the pages take the TMA path, else None.
+
+    The copies are made (and allocated) on the call's stream, so the prefill that reads them is
+    ordered after the quantisation and their memory is reused only after the prefill.
+    """
+    if pooled_e4m3 is None:
+        pooled_e4m3 = os.environ.get(POOLED_E4M3_ENV) == "1"
+    if not pooled_e4m3 or not isinstance(plan, CorrectionPlan):
+        return None
+    page_size = k_cache.shape[1] if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 else 0
+    if page_size == 0 or page_size % TMA_PAGE_MULTIPLE:
+        return None  # the gather path (pages not a multiple of 128) reads the bf16 pooled copies
+    # Imported here: the binding itself needs no Triton, only this opt-in path does.
+    from ..triton.pooled_e4m3 import quantize_pooled_e4m3
+
+    stats = plan.statistics
+    with _stream_context(stream, stats.pooled_k):
+        return quantize_pooled_e4m3(stats.pooled_k, stats.pooled_v, stats.block_offsets)
+
+
+def _stream_context(stream: object, like: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Make ``stream`` (a ``torch.cuda.Stream``, a raw handle or None) torch's current stream on ``like``'s device."""
+    device = like.device
+    if stream is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    if isinstance(stream, torch.cuda.Stream):
+        return torch.cuda.stream(stream)
+    handle = _stream_handle(stream, like)  # a TypeError for what the binding refuses
+    if handle is None:  # handle 0: the legacy default stream
+        return torch.cuda.stream(torch.cuda.default_stream(device))
+    return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
 
 
 #: The built head dims in ``fpv2_get_build_info()``: "head dims 64, 128" (or "head dim 128" before d=64).

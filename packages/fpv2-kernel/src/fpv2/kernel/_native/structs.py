@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..contracts import BlockIndex, CorrectionPlan, PagedPrefillBatch
+from ..reference.pooled_e4m3 import PooledE4M3
 from .codes import MAX_NDIM, PREFILL_CAUSAL, DType
 
 #: torch dtype -> ``fpv2_dtype_t`` code: the one table of the binding.
@@ -97,7 +98,16 @@ class CorrectionPlanStruct(ctypes.Structure):
         ("block_offsets", TensorDesc),
         ("todo_offsets", TensorDesc),
         ("todo_masks", TensorDesc),
+        # ABI 1.2: the optional E4M3 copies of the pooled statistics (all four or none).
+        ("pooled_k_e4m3", TensorDesc),
+        ("pooled_vt_e4m3", TensorDesc),
+        ("e4m3_offsets", TensorDesc),
+        ("e4m3_scales", TensorDesc),
     ]
+
+
+#: ``FPV2_CORRECTION_PLAN_SIZE_V1_1``: the plan's size before the E4M3 copies, which libraries still accept.
+CORRECTION_PLAN_SIZE_V1_1: int = CorrectionPlanStruct.pooled_k_e4m3.offset
 
 
 class PrefillArgsStruct(ctypes.Structure):
@@ -247,7 +257,9 @@ def block_index_struct(index: BlockIndex) -> BlockIndexStruct:
     return struct
 
 
-def correction_plan_struct(plan: CorrectionPlan, *, pooled_dtype: torch.dtype | None = None) -> CorrectionPlanStruct:
+def correction_plan_struct(
+    plan: CorrectionPlan, *, pooled_dtype: torch.dtype | None = None, pooled_e4m3: PooledE4M3 | None = None
+) -> CorrectionPlanStruct:
     """Build ``fpv2_correction_plan_t`` from a correction plan and its block statistics.
 
     Args:
@@ -255,20 +267,33 @@ def correction_plan_struct(plan: CorrectionPlan, *, pooled_dtype: torch.dtype | 
         pooled_dtype: hand the pooled K/V over in this dtype (``torch.bfloat16`` for the
             Hopper kernel, which loads them with TMA); None passes them as they are
             (float32). A converted copy is made on the tensors' stream and kept alive.
+            Ignored when ``pooled_e4m3`` is given.
+        pooled_e4m3: E4M3 copies of the plan's pooled K/V (from
+            :func:`fpv2.kernel.triton.pooled_e4m3.quantize_pooled_e4m3`) for the Hopper
+            kernel's FP8 correction; the plan's float32 pooled K/V are then passed as they
+            are (that kernel does not read them). None leaves the four fields absent.
 
     Returns:
-        The struct, keeping ``plan`` (and any converted copy) alive.
+        The struct, keeping ``plan`` (and any converted copy or E4M3 copies) alive.
 
     Raises:
-        TypeError: ``plan`` is not a :class:`CorrectionPlan`.
+        TypeError: ``plan`` is not a :class:`CorrectionPlan`, ``pooled_e4m3`` not a
+            :class:`~fpv2.kernel.reference.pooled_e4m3.PooledE4M3`, or a tensor the ABI cannot describe.
     """
     if not isinstance(plan, CorrectionPlan):
         raise TypeError(f"plan must be a CorrectionPlan, got {type(plan).__name__}")
+    if pooled_e4m3 is not None and not isinstance(pooled_e4m3, PooledE4M3):
+        raise TypeError(f"pooled_e4m3 must be a PooledE4M3 or None, got {type(pooled_e4m3).__name__}")
     stats = plan.statistics
     pooled_k, pooled_v = stats.pooled_k, stats.pooled_v
-    if pooled_dtype is not None:
+    if pooled_dtype is not None and pooled_e4m3 is None:
         pooled_k = pooled_k.to(pooled_dtype)
         pooled_v = pooled_v.to(pooled_dtype) if pooled_v is not None else None
+    e4m3 = (
+        (pooled_e4m3.k, pooled_e4m3.vt, pooled_e4m3.offsets, pooled_e4m3.scales)
+        if pooled_e4m3 is not None
+        else (None,) * 4
+    )
     struct = CorrectionPlanStruct(
         struct_size=ctypes.sizeof(CorrectionPlanStruct),
         chunk_size=_int32("plan.chunk_size", plan.chunk_size),
@@ -279,8 +304,12 @@ def correction_plan_struct(plan: CorrectionPlan, *, pooled_dtype: torch.dtype | 
         block_offsets=tensor_desc(stats.block_offsets, "plan.statistics.block_offsets"),
         todo_offsets=tensor_desc(plan.todo_offsets, "plan.todo_offsets"),
         todo_masks=tensor_desc(plan.todo_masks, "plan.todo_masks"),
+        pooled_k_e4m3=tensor_desc(e4m3[0], "pooled_e4m3.k"),
+        pooled_vt_e4m3=tensor_desc(e4m3[1], "pooled_e4m3.vt"),
+        e4m3_offsets=tensor_desc(e4m3[2], "pooled_e4m3.offsets"),
+        e4m3_scales=tensor_desc(e4m3[3], "pooled_e4m3.scales"),
     )
-    _keep_alive(struct, [plan, pooled_k, pooled_v])
+    _keep_alive(struct, [plan, pooled_k, pooled_v, pooled_e4m3])
     return struct
 
 
@@ -315,6 +344,7 @@ def prefill_args_struct(
     stream: object = None,
     workspace: torch.Tensor | None = None,
     pooled_dtype: torch.dtype | None = None,
+    pooled_e4m3: PooledE4M3 | None = None,
 ) -> PrefillArgsStruct:
     """Build ``fpv2_prefill_args_t`` for one causal prefill call (no validation: the library does it).
 
@@ -332,6 +362,8 @@ def prefill_args_struct(
         workspace: optional device scratch tensor handed to the kernel.
         pooled_dtype: dtype in which the plan's pooled K/V are handed over (see
             :func:`correction_plan_struct`); None keeps float32.
+        pooled_e4m3: E4M3 copies of the plan's pooled K/V (see :func:`correction_plan_struct`);
+            None for none.
 
     Returns:
         The struct with the causal flag set, keeping every tensor and nested struct alive.
@@ -346,7 +378,9 @@ def prefill_args_struct(
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     batch_struct = paged_batch_struct(batch)
     index_struct = block_index_struct(index) if index is not None else None
-    plan_struct = correction_plan_struct(plan, pooled_dtype=pooled_dtype) if plan is not None else None
+    plan_struct = (
+        correction_plan_struct(plan, pooled_dtype=pooled_dtype, pooled_e4m3=pooled_e4m3) if plan is not None else None
+    )
     args = PrefillArgsStruct(
         struct_size=ctypes.sizeof(PrefillArgsStruct),
         flags=PREFILL_CAUSAL,
