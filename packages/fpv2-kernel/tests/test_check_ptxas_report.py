@@ -116,3 +116,22 @@ def test_a_log_without_the_kernel(tmp_path: Path) -> None:
 def test_a_missing_log_is_named(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "absent.log")], capture_output=True, text=True)
     assert result.returncode == 1 and "cannot read the build log" in result.stdout and "absent.log" in result.stdout
+
+
+def _e4m3_entry(head_dim: int, stages: int, stack: int, spill: int) -> str:
+    # The FP8 pooled products' instantiation: flags (persistent=0, overlap=1, pooled e4m3=1).
+    return _ENTRY.format(
+        head_dim=head_dim, stages=stages, persistent=0, overlap="1ELb1", stack=stack, stores=spill, loads=spill
+    )
+
+
+def test_fp8_pooled_products_have_their_own_budget(tmp_path: Path) -> None:
+    # At d=128 its measured 80 B stack / 88 B of spills pass; more fails, named as its own variant; at d=64 it
+    # has the default 16 / 8.
+    base = _report((8, 4, 4), (8, 12, 12))
+    assert _run(tmp_path, base + _e4m3_entry(128, 2, 80, 88) + _e4m3_entry(64, 4, 0, 0)).returncode == 0
+    result = _run(tmp_path, base + _e4m3_entry(128, 2, 112, 196))
+    assert result.returncode == 1
+    assert "FAIL: prefill_kernel d=128 (overlapped consumers, FP8 pooled products): 112 bytes" in result.stdout
+    result = _run(tmp_path, base + _e4m3_entry(64, 4, 32, 32))
+    assert result.returncode == 1 and "d=64 (overlapped consumers, FP8 pooled products)" in result.stdout

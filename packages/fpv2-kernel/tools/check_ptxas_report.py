@@ -26,13 +26,17 @@ from dataclasses import dataclass
 
 #: Per variant (named from the kernel's bool template arguments: persistent CTAs, overlapped consumers):
 #: stack bytes, spill bytes, the same for every built head dim (csrc/hopper/prefill_instances.hpp) ...
-VARIANT_BUDGETS = {"default": (16, 8), "persistent": (16, 16), "overlap": (16, 8)}
+VARIANT_BUDGETS = {"default": (16, 8), "persistent": (16, 16), "overlap": (16, 8), "overlap-e4m3": (16, 8)}
 #: ... except where a measured instantiation needs its own. Measured with nvcc 13.0 at producer / consumer
 #: registers 32 / 232 (benchmarks/NOTES.md, 2026-12-01, third session): 0 / 0 everywhere but the d=128
 #: overlapped consumers, 32 B stack and 36 B of spills, all outside the loops (the prologue, the entry of the
 #: pooled-tile loop, the epilogue; no spill between a loop's backward branch and its target in the SASS),
 #: and measured no slower than before.
-BUDGET_EXCEPTIONS = {(128, "overlap"): (32, 40)}
+#: The d=128 overlapped consumers with the FP8 pooled products (third flag, 2026-12-01, fifth session): 80 B
+#: stack, 76 / 88 B of spill stores / loads, the same whether the first pooled tile overlaps the last kept
+#: PV product or not and larger (112 B stack, 196 B of spills) when Q and P are converted 4 values at a
+#: time; its cost is measured by the device A/B against the bf16 pooled products (benchmarks/NOTES.md).
+BUDGET_EXCEPTIONS = {(128, "overlap"): (32, 40), (128, "overlap-e4m3"): (80, 88)}
 BUDGETS = {
     (head_dim, variant): BUDGET_EXCEPTIONS.get((head_dim, variant), budget)
     for head_dim in (64, 128)
@@ -43,7 +47,12 @@ BUDGETS = {
 _FLAGS = re.compile(r"Lb([01])E")
 # The traits argument PrefillTraits<kHeadDim, kStages>: ...PrefillTraitsILi128ELi2EE...
 _TRAITS = re.compile(r"PrefillTraitsILi(?P<head_dim>\d+)ELi(?P<stages>\d+)EE")
-_KINDS = {"default": "one CTA per tile", "persistent": "persistent", "overlap": "overlapped consumers"}
+_KINDS = {
+    "default": "one CTA per tile",
+    "persistent": "persistent",
+    "overlap": "overlapped consumers",
+    "overlap-e4m3": "overlapped consumers, FP8 pooled products",
+}
 
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']*prefill_kernel[^']*)'")
 _FRAME = re.compile(
@@ -70,12 +79,14 @@ class KernelReport:
 
 
 def _variant(name: str) -> str:
-    """The instantiation's name in BUDGETS, from its template flags (persistent, overlap)."""
+    """The instantiation's name in BUDGETS, from its template flags (persistent, overlap, pooled e4m3)."""
     flags = [flag == "1" for flag in _FLAGS.findall(name)]
-    persistent, overlap = [*flags, False, False][:2]
+    persistent, overlap, pooled_e4m3 = [*flags, False, False, False][:3]
     if persistent:
         return "persistent"
-    return "overlap" if overlap else "default"
+    if overlap:
+        return "overlap-e4m3" if pooled_e4m3 else "overlap"
+    return "default"
 
 
 def parse_reports(text: str) -> list[KernelReport]:

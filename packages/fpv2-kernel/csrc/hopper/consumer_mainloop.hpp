@@ -32,6 +32,7 @@
 #include "hopper/named_barriers.hpp"
 #include "hopper/online_softmax.hpp"
 #include "hopper/packgqa_q_loader.hpp"
+#include "hopper/pooled_e4m3_operands.hpp"
 #include "hopper/value_tail_guard.hpp"
 #include "hopper/warpgroup_gemm.hpp"
 
@@ -46,7 +47,9 @@ struct ConsumerMainloop {
   // Visits the tile's schedule in order: the masked kept blocks (mode 1), the unmasked ones (mode 0), then
   // the pooled tiles (mode 2), each with visit(n, Int<mode>), from kept position `i` and pooled tile `c` on.
   // Forced inline like run(): as a call, the accumulators the visitor updates would go to local memory.
-  template <class Geometry, class Visit>
+  // kMarkFirstPooled: a pooled tile that directly follows the kept blocks is visited as mode 3 (the FP8
+  // correction changes operand types there).
+  template <bool kMarkFirstPooled = false, class Geometry, class Visit>
   __device__ __forceinline__ static void walk_schedule_from(BlockSchedule const& schedule, Geometry const& tile,
                                                             int i, int c, Visit&& visit) {
     const int num_kept = schedule.num_kept;
@@ -63,6 +66,12 @@ struct ConsumerMainloop {
       n_next = i + 1 < num_kept ? schedule.block(i + 1) : 0;
       visit(n, cute::Int<0>{});
     }
+    if constexpr (kMarkFirstPooled) {
+      if (c == 0 && num_kept > 0 && schedule.num_correction > 0) {
+        visit(0, cute::Int<3>{});
+        c = 1;
+      }
+    }
     CUTE_NO_UNROLL
     for (; c < schedule.num_correction; ++c) {
       visit(c, cute::Int<2>{});
@@ -73,7 +82,7 @@ struct ConsumerMainloop {
   // carries from one tile to the next (the overlapped schedule's pending PV product) then starts every
   // tile after the first in the same state, with no runtime flag that ptxas would have to correlate.
   // Returns whether any tile was visited.
-  template <class Geometry, class First, class Visit>
+  template <bool kMarkFirstPooled = false, class Geometry, class First, class Visit>
   __device__ __forceinline__ static bool walk_schedule_peeled(BlockSchedule const& schedule, Geometry const& tile,
                                                               First&& first, Visit&& visit) {
     if (schedule.num_kept > 0) {
@@ -83,12 +92,12 @@ struct ConsumerMainloop {
       } else {
         first(n, cute::Int<0>{});
       }
-      walk_schedule_from(schedule, tile, 1, 0, visit);
+      walk_schedule_from<kMarkFirstPooled>(schedule, tile, 1, 0, visit);
       return true;
     }
     if (schedule.num_correction > 0) {
       first(0, cute::Int<2>{});
-      walk_schedule_from(schedule, tile, 0, 1, visit);
+      walk_schedule_from<kMarkFirstPooled>(schedule, tile, 0, 1, visit);
       return true;
     }
     return false;
@@ -96,7 +105,9 @@ struct ConsumerMainloop {
 
   // Always inlined into the kernel: left to the inliner, a small change elsewhere in the kernel (one more
   // branch in the tile order) made it a call whose output accumulators ptxas put in local memory.
-  template <bool kOverlap, class Params, class Geometry, class Storage>
+  // kPooledE4M3: the pooled tiles of the correction are the E4M3 copies, multiplied on FP8 tensor cores
+  // (pooled_e4m3_operands.hpp); overlapped schedule only (the launcher refuses the other combinations).
+  template <bool kOverlap, bool kPooledE4M3 = false, class Params, class Geometry, class Storage>
   __device__ __forceinline__ static void run(Params const& params, Geometry const& tile, Storage& smem,
                                              int consumer_thread, typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
@@ -139,6 +150,7 @@ struct ConsumerMainloop {
                                       barrier_id(ConsumerBarrier::kQueryReadyWarpGroup1) + wg);
 
     clear(tOrO);
+    float e4m3_row_factor[kRows];  // FP8 pooled products: each row's Q scale times the pooled-K scale
     OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);
     const CausalMask<kRows, Traits::kBlockN> mask(tScS_rc, tile, params.group);
     Pipeline pipeline_k(smem.pipeline_k);
@@ -223,10 +235,12 @@ struct ConsumerMainloop {
         constexpr int kMode = decltype(mode)::value;
         if constexpr (kMode == 1) {
           return tile.is_partial_tail_block(n) ? tile.seqlen_k - n * Traits::kBlockN : Traits::kBlockN;
-        } else if constexpr (kMode == 2) {
+        } else if constexpr (kMode >= 2 && !kPooledE4M3) {
           const int eligible_rows = tile.n_block_masked - n * Traits::kBlockN;
           return eligible_rows < Traits::kBlockN ? eligible_rows : Traits::kBlockN;
         } else {
+          // Kept blocks, and the E4M3 pooled tiles: every row there is finite (the copies hold zeros
+          // between requests, TMA fills zeros past the tensor), so probability 0 contributes 0.
           return Traits::kBlockN;
         }
       };
@@ -259,7 +273,9 @@ struct ConsumerMainloop {
         state.advance();
         if constexpr (kMode == 1) {
           mask.apply(tSrS_rc, tScS_rc, n);
-        } else if constexpr (kMode == 2) {
+        } else if constexpr (kMode >= 2 && kPooledE4M3) {
+          CorrectionMask<Traits>::apply_scaled(tSrS_rc, tScS_rc, smem.pending_shifts, n, e4m3_row_factor);
+        } else if constexpr (kMode >= 2) {
           CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_shifts, n);
         }
       };
@@ -275,32 +291,165 @@ struct ConsumerMainloop {
         p_pending = to_bf16(*reinterpret_cast<cutlass::Array<float, kScores> const*>(tSrS.data()));
         pending_rows = valid_value_rows(n, mode);
       };
+      // The FP8 pooled products (kPooledE4M3): Q in e4m3 registers from the first pooled tile on, P of a
+      // pooled tile in e4m3 registers, pooled K / V^T tiles in the first half of their stages.
+      using ElementE4M3 = typename Traits::ElementE4M3;
+      typename Traits::TiledMmaQKE4M3 mma_qk8;
+      typename Traits::TiledMmaPVE4M3 mma_pv8;
+      auto wg_qk8 = mma_qk8.get_thread_slice(wg * Traits::kThreadsPerWarpGroup);
+      auto wg_pv8 = mma_pv8.get_thread_slice(wg * Traits::kThreadsPerWarpGroup);
+      Tensor tSrQ8 = make_tensor<ElementE4M3>(partition_shape_A(mma_qk8, TileO{}));  // (MMA, MMA_M, MMA_K)
+      cutlass::Array<ElementE4M3, kScores> p8_pending;
+      Tensor tOrP8 = make_tensor(make_rmem_ptr<ElementE4M3>(p8_pending.data()),
+                                 make_layout(partition_shape_A(mma_pv8, TileS{})));
+      static_assert(!kPooledE4M3 || kRows == 2, "a consumer thread holds two rows of the 64-row wgmma tile");
+      float e4m3_v_scale = 1.0f;
+      auto e4m3_v_scale_of_tile = [&]() {
+        return params.e4m3_scales[(int64_t(tile.request) * params.num_kv_heads + tile.kv_head) * 2 + 1];
+      };
+      auto pooled_k_descriptors = [&](int stage) {
+        Tensor s8 = make_tensor(make_smem_ptr(reinterpret_cast<ElementE4M3*>(smem.k) + 2 * Traits::kTileBytesE4M3 * stage),
+                                typename Traits::SmemLayoutKE4M3Stage{});
+        return wg_qk8.partition_fragment_B(s8);
+      };
+      auto pooled_vt_descriptors = [&](int stage) {
+        Tensor s8 = make_tensor(make_smem_ptr(reinterpret_cast<ElementE4M3*>(smem.v) + 2 * Traits::kTileBytesE4M3 * stage),
+                                typename Traits::SmemLayoutVtE4M3Stage{});
+        return wg_pv8.partition_fragment_B(s8);
+      };
+      // Q -> e4m3 A fragment with per-row scales, and the scales of the tile's KV head.
+      auto build_query_e4m3 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        const float* scales = params.e4m3_scales + (int64_t(tile.request) * params.num_kv_heads + tile.kv_head) * 2;
+        const float k_scale = scales[0];
+        e4m3_v_scale = scales[1];
+        Tensor cQ = mma_qk8.get_thread_slice(consumer_thread).partition_A(make_identity_tensor(TileO{}));
+        constexpr int kQValues = decltype(size(tSrQ8))::value;
+        static_assert(decltype(size(cQ))::value == kQValues, "one coordinate per Q value");
+        cutlass::Array<float, kQValues> q;
+        float amax[2] = {0.0f, 0.0f};
+        CUTE_UNROLL
+        for (int v = 0; v < kQValues; ++v) {
+          q[v] = float(sQ(get<0>(cQ(v)), get<1>(cQ(v))));
+          amax[e4m3_a_row(v)] = fmaxf(amax[e4m3_a_row(v)], fabsf(q[v]));
+        }
+        float inverse[2];
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          const float row_max = quad_max(amax[r]);
+          inverse[r] = row_max > 0.0f ? kE4M3Max / row_max : 0.0f;
+          e4m3_row_factor[r] = row_max / kE4M3Max * k_scale;
+        }
+        CUTE_UNROLL
+        for (int v = 0; v < kQValues; ++v) q[v] *= inverse[e4m3_a_row(v)];
+        cutlass::NumericArrayConverter<ElementE4M3, float, kQValues> to_e4m3;
+        *reinterpret_cast<cutlass::Array<ElementE4M3, kQValues>*>(tSrQ8.data()) = to_e4m3(q);
+      };
+      auto issue_scores_e4m3 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        pipeline_k.consumer_wait(state);
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk8, tSrQ8, pooled_k_descriptors(state.stage), tSrS);
+      };
+      auto keep_probabilities_e4m3 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        cutlass::Array<float, kScores> ordered;
+        CUTE_UNROLL
+        for (int v = 0; v < kScores; ++v) ordered[v] = tSrS(e4m3_p_source(v)) * kE4M3ProbabilityScale;
+        cutlass::NumericArrayConverter<ElementE4M3, float, kScores> to_e4m3;
+        p8_pending = to_e4m3(ordered);
+      };
+      auto issue_pending_pv_e4m3 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        pipeline_v.consumer_wait(v_state);
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv8, tOrP8, pooled_vt_descriptors(v_state.stage), tOrO);
+      };
+      auto retire_pending_pv_e4m3 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP8);
+        pipeline_v.consumer_release(v_state);
+        v_state.advance();
+      };
+
       // Lambdas forced inline: left to the inliner, the unmasked-block instance became a call (a 1168-byte
-      // stack frame).
-      const bool visited = walk_schedule_peeled(
+      // stack frame). Mode 3 (kPooledE4M3 only) is the first pooled tile after kept blocks: its pending PV
+      // product is still bf16, and O moves to the e4m3 products' scale (2^8 / v_scale) there.
+      const bool visited = walk_schedule_peeled<kPooledE4M3>(
           schedule, tile,
           [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
-            issue_scores();
+            constexpr bool kPooled8 = kPooledE4M3 && decltype(mode)::value >= 2;
+            if constexpr (kPooled8) {
+              build_query_e4m3();
+              issue_scores_e4m3();
+            } else {
+              issue_scores();
+            }
             warpgroup_wait<0>();
             finish_scores(n, mode);
             float factors[kRows];
             softmax.rescale_scores(tSrS_rc, factors);  // O is still zero: nothing to rescale
-            keep_probabilities(n, mode);
+            if constexpr (kPooled8) {
+              keep_probabilities_e4m3();
+            } else {
+              keep_probabilities(n, mode);
+            }
           },
           [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
-            issue_scores();
-            issue_pending_pv();
+            constexpr int kMode = decltype(mode)::value;
+            constexpr bool kPooled8 = kPooledE4M3 && kMode >= 2;
+            constexpr bool kPending8 = kPooledE4M3 && kMode == 2;  // the previous tile was pooled too
+            if constexpr (kPooledE4M3 && kMode == 3) {
+              // The first pooled tile after the kept blocks: the last kept PV product runs alone (its P and
+              // the e4m3 Q being built would not fit in registers together), O moves to the e4m3 scale.
+              issue_pending_pv();
+              retire_pending_pv();
+              const float to_e4m3_scale = kE4M3ProbabilityScale / e4m3_v_scale_of_tile();
+              CUTE_UNROLL
+              for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= to_e4m3_scale;
+              build_query_e4m3();
+              issue_scores_e4m3();
+              warpgroup_wait<0>();
+              finish_scores(n, mode);
+              float factors[kRows];
+              softmax.rescale_scores(tSrS_rc, factors);
+              softmax.rescale_output(tOrO_rc, factors);
+              keep_probabilities_e4m3();
+              return;
+            }
+            if constexpr (kPooled8) {
+              issue_scores_e4m3();
+            } else {
+              issue_scores();
+            }
+            if constexpr (kPending8) {
+              issue_pending_pv_e4m3();
+            } else {
+              issue_pending_pv();
+            }
             warpgroup_wait<1>();  // the QK batch (issued first) is done, the PV batch may still run
             finish_scores(n, mode);
             float factors[kRows];
             softmax.rescale_scores(tSrS_rc, factors);
-            retire_pending_pv();
+            if constexpr (kPending8) {
+              retire_pending_pv_e4m3();
+            } else {
+              retire_pending_pv();
+            }
             softmax.rescale_output(tOrO_rc, factors);
-            keep_probabilities(n, mode);
+            if constexpr (kPooled8) {
+              keep_probabilities_e4m3();
+            } else {
+              keep_probabilities(n, mode);
+            }
           });
       if (visited) {
-        issue_pending_pv();
-        retire_pending_pv();
+        if (kPooledE4M3 && schedule.num_correction > 0) {
+          issue_pending_pv_e4m3();
+          retire_pending_pv_e4m3();
+          // Back from the e4m3 products' scale.
+          const float from_e4m3_scale = e4m3_v_scale / kE4M3ProbabilityScale;
+          CUTE_UNROLL
+          for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= from_e4m3_scale;
+        } else {
+          issue_pending_pv();
+          retire_pending_pv();
+        }
       }
     }
 

@@ -86,6 +86,26 @@ struct CorrectionMask {
       }
     }
   }
+
+  // apply() for the FP8 pooled products: the raw score of row i is its e4m3 product times row_factor[i]
+  // (the row's Q scale times the KV head's pooled-K scale), folded into the shift's add as one FMA.
+  template <class ScoresRowsCols, class CoordsRowsCols, int kRows>
+  __device__ __forceinline__ static void apply_scaled(ScoresRowsCols& scores_rc, CoordsRowsCols const& coords_rc,
+                                                      PendingShiftsStorage const& table, int pooled_tile,
+                                                      float const (&row_factor)[kRows]) {
+    using namespace cute;
+    static_assert(decltype(size<0>(scores_rc))::value == kRows, "one factor per row of the thread");
+    float const* tile_shift = table.shift + pooled_tile * Traits::kBlockN;
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(scores_rc); j += 2) {
+      const float2 shift = *reinterpret_cast<float2 const*>(tile_shift + int(get<1>(coords_rc(0, j))));
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        scores_rc(i, j) = fmaxf(fmaf(scores_rc(i, j), row_factor[i], shift.x), -INFINITY);
+        scores_rc(i, j + 1) = fmaxf(fmaf(scores_rc(i, j + 1), row_factor[i], shift.y), -INFINITY);
+      }
+    }
+  }
 };
 
 }  // namespace fpv2::hopper

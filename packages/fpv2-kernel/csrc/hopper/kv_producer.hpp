@@ -69,7 +69,36 @@ struct KvProducer {
       row_block = next_row_block;
     }
 
-    if (schedule.num_correction > 0) {
+    if (schedule.num_correction > 0 && params.pooled_e4m3) {
+      // FP8 pooled products: the request's e4m3 rows start at e4m3_offsets[b]; each tile lands in the
+      // first half of the stage (the consumers read it through the E4M3 layouts).
+      using ElementE4M3 = typename Traits::ElementE4M3;
+      const int base = params.e4m3_offsets[tile.request];
+      Tensor mPK = domain_offset(make_coord(base, _0{}), params.tma_pooled_k_e4m3.get_tma_tensor(
+                                                             make_shape(params.pooled_e4m3_rows, params.cache_cols)));
+      Tensor mPVt = domain_offset(make_coord(_0{}, base), params.tma_pooled_vt_e4m3.get_tma_tensor(
+                                                              make_shape(params.cache_cols, params.pooled_e4m3_rows)));
+      Tensor gPK = local_tile(mPK, typename Params::TileK{}, make_coord(_, tile.kv_head));   // (N, d, tiles)
+      Tensor gPVt = local_tile(mPVt, typename Params::TileVt{}, make_coord(tile.kv_head, _));  // (d, N, tiles)
+      auto tma_pk = params.tma_pooled_k_e4m3.get_slice(_0{});
+      auto tma_pv = params.tma_pooled_vt_e4m3.get_slice(_0{});
+      Tensor tPKgPK = group_modes<0, 3>(tma_pk.partition_S(gPK));
+      Tensor tPVgPVt = group_modes<0, 3>(tma_pv.partition_S(gPVt));
+      CUTE_NO_UNROLL
+      for (int c = 0; c < schedule.num_correction; ++c) {
+        Tensor sK8 = make_tensor(make_smem_ptr(reinterpret_cast<ElementE4M3*>(smem.k) +
+                                               2 * Traits::kTileBytesE4M3 * state.stage),
+                                 typename Traits::SmemLayoutKE4M3Stage{});
+        Tensor sVt8 = make_tensor(make_smem_ptr(reinterpret_cast<ElementE4M3*>(smem.v) +
+                                                2 * Traits::kTileBytesE4M3 * state.stage),
+                                  typename Traits::SmemLayoutVtE4M3Stage{});
+        uint64_t& full_k = pipeline_k.producer_acquire(state, Traits::kTileBytesE4M3);
+        copy(params.tma_pooled_k_e4m3.with(full_k), tPKgPK(_, c), group_modes<0, 3>(tma_pk.partition_D(sK8)));
+        uint64_t& full_v = pipeline_v.producer_acquire(state, Traits::kTileBytesE4M3);
+        copy(params.tma_pooled_vt_e4m3.with(full_v), tPVgPVt(_, c), group_modes<0, 3>(tma_pv.partition_D(sVt8)));
+        state.advance();
+      }
+    } else if (schedule.num_correction > 0) {
       // The request's pooled rows start at pooled_block_offsets[b]: shift the coordinate origin there, then
       // tile by 128 rows like the cache.
       Tensor mPK = domain_offset(make_coord(pooled_base, _0{}),

@@ -12,6 +12,7 @@
 #include "abi/errors.hpp"
 #include "hopper/prefill_instances.hpp"
 #include "hopper/prefill_plan.hpp"
+#include "validate/struct_checks.hpp"
 #include "validate/tensor_checks.hpp"
 
 namespace fpv2::hopper {
@@ -101,7 +102,31 @@ int32_t check_cache_view(const fpv2_tensor_t& cache, const char* name, int64_t p
 // The correction's pooled K/V are read by TMA as bf16 (total_blocks, Hkv * d) rows; the todo masks, when
 // given, are not read: the kernel derives the same bits from the block index (fpv2.h).
 int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_paged_batch_t& batch) {
+  if (fpv2::detail::plan_has_e4m3(plan)) {
+    // The FP8 correction reads only the E4M3 copies (by TMA): pooled_k/pooled_v may stay float32.
+    for (const fpv2_tensor_t* t : {&plan.pooled_k_e4m3, &plan.pooled_vt_e4m3}) {
+      const char* name = t == &plan.pooled_k_e4m3 ? "fpv2_correction_plan_t.pooled_k_e4m3"
+                                                  : "fpv2_correction_plan_t.pooled_vt_e4m3";
+      if (!aligned(t->data, 16)) {
+        return fail(FPV2_ERROR_INVALID_ARGUMENT, format("%s: TMA needs a 16-byte aligned base; got data=%p (%s)",
+                                                        name, t->data, describe(*t).c_str()));
+      }
+    }
+    if (plan.pooled_k_e4m3.shape[0] > std::numeric_limits<int32_t>::max()) {
+      return fail(FPV2_ERROR_UNSUPPORTED, format("fpv2_correction_plan_t.pooled_k_e4m3: more than 2^31 - 1 rows (%s)",
+                                                 describe(plan.pooled_k_e4m3).c_str()));
+    }
+    if (batch.page_size % kKvTile != 0) {
+      return fail(FPV2_ERROR_UNSUPPORTED,
+                  format("fpv2_correction_plan_t.pooled_k_e4m3: the Hopper kernel's FP8 correction runs on the TMA "
+                         "path only (page_size a multiple of %d); got page_size=%d: pass the bf16 pooled "
+                         "statistics without the E4M3 copies",
+                         kKvTile, batch.page_size));
+    }
+  }
+  const bool reads_bf16 = !fpv2::detail::plan_has_e4m3(plan);
   for (const fpv2_tensor_t* t : {&plan.pooled_k, &plan.pooled_v}) {
+    if (!reads_bf16) continue;
     const char* name = t == &plan.pooled_k ? "fpv2_correction_plan_t.pooled_k" : "fpv2_correction_plan_t.pooled_v";
     if (t->dtype != FPV2_DTYPE_BF16) {
       return fail(FPV2_ERROR_UNSUPPORTED,
@@ -263,6 +288,12 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
                 format("environment FPV2_HOPPER_OVERLAP=1 cannot be combined with FPV2_HOPPER_%s=1",
                        pingpong ? "PINGPONG" : "PERSISTENT"));
   }
+  if (args.correction != nullptr && fpv2::detail::plan_has_e4m3(*args.correction) && (!overlap || persistent)) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                "fpv2_correction_plan_t.pooled_k_e4m3: the FP8 correction is built into the overlapped consumers "
+                "only; unset FPV2_HOPPER_OVERLAP=0 / FPV2_HOPPER_PERSISTENT=1 / FPV2_HOPPER_PINGPONG=1, or pass "
+                "the bf16 pooled statistics without the E4M3 copies");
+  }
   // Request-major tile order by default: 4 x 128K dense 1269 -> 1027 ms, sparse + correction 59.2 -> 56.2 ms.
   int32_t request_major = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_REQUEST_MAJOR", 1, &request_major));
@@ -319,6 +350,13 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
     plan.pooled_rows = static_cast<int32_t>(c.pooled_k.shape[0]);
     plan.pooled_block_offsets = static_cast<const int32_t*>(c.block_offsets.data);
     plan.block_lengths = static_cast<const int32_t*>(c.block_lengths.data);
+    if (fpv2::detail::plan_has_e4m3(c)) {
+      plan.pooled_k_e4m3 = c.pooled_k_e4m3.data;
+      plan.pooled_vt_e4m3 = c.pooled_vt_e4m3.data;
+      plan.pooled_e4m3_rows = static_cast<int32_t>(c.pooled_k_e4m3.shape[0]);
+      plan.e4m3_offsets = static_cast<const int32_t*>(c.e4m3_offsets.data);
+      plan.e4m3_scales = static_cast<const float*>(c.e4m3_scales.data);
+    }
   }
 
   // One case per entry of kPrefillHeadDims (prefill_instances.hpp).

@@ -18,7 +18,8 @@
 //
 // Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
 // split-KV, head dim 256 (Q and two 128-row K/V stages exceed one CTA's shared memory: it needs another
-// tiling), FP8. Head dims 64 and 128 are instantiated (prefill_instances.hpp), each with the K/V stages of
+// tiling), FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
+// pooled statistics: kPooledE4M3, overlapped consumers only). Head dims 64 and 128 are instantiated (prefill_instances.hpp), each with the K/V stages of
 // prefill_stages().
 #pragma once
 
@@ -48,7 +49,7 @@
 
 namespace fpv2::hopper {
 
-template <class Traits, bool kPersistent, bool kOverlap>
+template <class Traits, bool kPersistent, bool kOverlap, bool kPooledE4M3 = false>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
   using Storage = PrefillSharedStorage<Traits>;
@@ -87,7 +88,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    if (params.has_correction) {  // else the first pooled copy fetches its descriptor on the critical path
+    if (params.has_correction && params.pooled_e4m3) {
+      cute::prefetch_tma_descriptor(params.tma_pooled_k_e4m3.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_pooled_vt_e4m3.get_tma_descriptor());
+    } else if (params.has_correction) {  // else the first pooled copy fetches its descriptor on the critical path
       cute::prefetch_tma_descriptor(params.tma_pooled_k.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_pooled_v.get_tma_descriptor());
     }
@@ -141,8 +145,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (tile.valid()) ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state);
       }
     } else {
-      ConsumerMainloop<Traits>::template run<kOverlap>(params, tile_at(int(blockIdx.x)), smem, consumer_thread,
-                                                     state);
+      ConsumerMainloop<Traits>::template run<kOverlap, kPooledE4M3>(params, tile_at(int(blockIdx.x)), smem,
+                                                                   consumer_thread, state);
     }
   }
 }

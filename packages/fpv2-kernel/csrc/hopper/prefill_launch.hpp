@@ -79,17 +79,32 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
   // The pooled statistics are read like the cache: (total_blocks, Hkv * d) rows, contiguous. Without the
   // correction the descriptors are built over the cache and never used.
   const bool has_correction = plan.pooled_k != nullptr;
+  const bool pooled_e4m3 = has_correction && plan.pooled_k_e4m3 != nullptr;
   // Persistent CTAs (opt-in) serve the TMA path; pages that need the cp.async gather run one CTA per tile.
   const bool persistent = plan.persistent != 0 && plan.page_size % Traits::kBlockN == 0;
-  const int32_t pooled_rows = has_correction ? plan.pooled_rows : plan.cache_rows;
-  const int64_t pooled_stride = has_correction ? int64_t(plan.cache_cols) : plan.k_token_stride;
+  // With the E4M3 copies the bf16 descriptors are not used either (pooled_k may then be float32).
+  const bool pooled_bf16 = has_correction && !pooled_e4m3;
+  const int32_t pooled_rows = pooled_bf16 ? plan.pooled_rows : plan.cache_rows;
+  const int64_t pooled_stride = pooled_bf16 ? int64_t(plan.cache_cols) : plan.k_token_stride;
   Tensor pooled_k_rows = make_tensor(
-      make_gmem_ptr(static_cast<Element const*>(has_correction ? plan.pooled_k : plan.k_cache)),
+      make_gmem_ptr(static_cast<Element const*>(pooled_bf16 ? plan.pooled_k : plan.k_cache)),
       make_shape(pooled_rows, plan.cache_cols), make_stride(pooled_stride, _1{}));
   Tensor pooled_v_cols = make_tensor(
-      make_gmem_ptr(static_cast<Element const*>(has_correction ? plan.pooled_v : plan.v_cache)),
+      make_gmem_ptr(static_cast<Element const*>(pooled_bf16 ? plan.pooled_v : plan.v_cache)),
       make_shape(plan.cache_cols, pooled_rows),
-      make_stride(_1{}, has_correction ? int64_t(plan.cache_cols) : plan.v_token_stride));
+      make_stride(_1{}, pooled_bf16 ? int64_t(plan.cache_cols) : plan.v_token_stride));
+  // The E4M3 copies, (rows, Hkv * d) and (Hkv * d, rows) row-major; without them, descriptors over the K
+  // cache's bytes that are never used.
+  using ElementE4M3 = typename Traits::ElementE4M3;
+  const int32_t e4m3_rows = pooled_e4m3 ? plan.pooled_e4m3_rows : 128;
+  const void* e4m3_k = pooled_e4m3 ? plan.pooled_k_e4m3 : plan.k_cache;
+  const void* e4m3_vt = pooled_e4m3 ? plan.pooled_vt_e4m3 : plan.k_cache;
+  Tensor e4m3_k_rows = make_tensor(make_gmem_ptr(static_cast<ElementE4M3 const*>(e4m3_k)),
+                                   make_shape(e4m3_rows, plan.cache_cols),
+                                   make_stride(int64_t(plan.cache_cols), _1{}));
+  Tensor e4m3_vt_rows = make_tensor(make_gmem_ptr(static_cast<ElementE4M3 const*>(e4m3_vt)),
+                                    make_shape(plan.cache_cols, e4m3_rows),
+                                    make_stride(int64_t(e4m3_rows), _1{}));
   constexpr float kLog2e = 1.4426950408889634f;
   const Params params{
       make_tma_copy(SM90_TMA_LOAD{}, k_rows, typename Traits::SmemLayoutKStage{}, typename Params::TileK{}, _1{}),
@@ -138,9 +153,19 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       plan.pingpong,
       persistent ? 1 : 0,
       plan.request_major,
+      make_tma_copy(SM90_TMA_LOAD{}, e4m3_k_rows, typename Traits::SmemLayoutKE4M3Stage{}, typename Params::TileK{},
+                    _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, e4m3_vt_rows, typename Traits::SmemLayoutVtE4M3Stage{},
+                    typename Params::TileVt{}, _1{}),
+      pooled_e4m3 ? 1 : 0,
+      e4m3_rows,
+      plan.e4m3_offsets,
+      plan.e4m3_scales,
   };
 
-  auto kernel = persistent      ? prefill_kernel<Traits, true, false>
+  // The launcher sends the E4M3 copies only with the overlapped consumers (launch_prefill.cu).
+  auto kernel = pooled_e4m3    ? prefill_kernel<Traits, false, true, true>
+                : persistent   ? prefill_kernel<Traits, true, false>
                 : plan.overlap ? prefill_kernel<Traits, false, true>
                                : prefill_kernel<Traits, false, false>;
   const int smem_bytes = static_cast<int>(prefill_smem_bytes<Traits>());

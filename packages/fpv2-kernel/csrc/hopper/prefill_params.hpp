@@ -34,6 +34,18 @@ struct PrefillParams {
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), CacheShape{}, ColMajorStride{}),
       typename Traits::SmemLayoutVtStage{}, TileVt{}, cute::_1{}));
 
+  using ElementE4M3 = typename Traits::ElementE4M3;
+  using TmaKE4M3 = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementE4M3 const*>(nullptr)), CacheShape{},
+                        RowMajorStride{}),
+      typename Traits::SmemLayoutKE4M3Stage{}, TileK{}, cute::_1{}));
+  using TmaVtE4M3 = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<ElementE4M3 const*>(nullptr)), CacheShape{},
+                        RowMajorStride{}),
+      typename Traits::SmemLayoutVtE4M3Stage{}, TileVt{}, cute::_1{}));
+
   TmaK tma_k;
   TmaV tma_v;
   int32_t cache_rows;  // num_pages * page_size
@@ -100,6 +112,17 @@ struct PrefillParams {
   // Tile order (prefill_kernel.hpp): 1 = request-major (default: the CTAs running together share one
   // request's K/V in L2), 0 = (KV head, request) fastest; the same order at B = 1.
   int32_t request_major;
+
+  // The FP8 pooled products of the mean correction (fpv2.h ABI 1.2; pooled_e4m3 = 0: the bf16 tensors
+  // above). Pooled K (rows, Hkv * d) and V^T (Hkv * d, rows), both row-major; request b's pooled tile c is
+  // rows / columns e4m3_offsets[b] + 128 c .. + 127. Scores and outputs are scaled back with the per
+  // (request, KV head) scales e4m3_scales[b][h] = {K scale, V scale}.
+  TmaKE4M3 tma_pooled_k_e4m3;
+  TmaVtE4M3 tma_pooled_vt_e4m3;
+  int32_t pooled_e4m3;
+  int32_t pooled_e4m3_rows;
+  int32_t const* e4m3_offsets;
+  float const* e4m3_scales;
 };
 
 }  // namespace fpv2::hopper

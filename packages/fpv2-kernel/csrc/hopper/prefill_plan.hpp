@@ -56,6 +56,12 @@ struct PrefillPlan {
   int32_t pooled_rows;
   const int32_t* pooled_block_offsets;
   const int32_t* block_lengths;
+  // Optional E4M3 copies (fpv2.h, ABI 1.2): the FP8 pooled products; pooled_k_e4m3 == nullptr: bf16 ones.
+  const void* pooled_k_e4m3;   // (rows, Hkv, d)
+  const void* pooled_vt_e4m3;  // (Hkv, d, rows), slots permuted within 16
+  int32_t pooled_e4m3_rows;
+  const int32_t* e4m3_offsets;  // (B+1,)
+  const float* e4m3_scales;     // (B, Hkv, 2)
 
   // Gather layout for pages that are not a multiple of 128 (FPV2_HOPPER_GATHER): 1 = one token row per
   // producer thread (default), 2 = shared rows + coalesced copies, 3 = warp rows (all measured: NOTES.md).

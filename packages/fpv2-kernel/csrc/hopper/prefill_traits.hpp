@@ -16,7 +16,10 @@
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
+#include <type_traits>
+
 #include <cutlass/bfloat16.h>
+#include <cutlass/float8.h>
 
 #include "fpv2/fpv2.h"
 
@@ -105,6 +108,29 @@ struct PrefillTraits {
   // One stage of each, for the TMA box.
   using SmemLayoutKStage = decltype(cute::take<0, 2>(SmemLayoutK{}));
   using SmemLayoutVtStage = decltype(cute::take<0, 2>(SmemLayoutVt{}));
+
+  // The mean correction's FP8 pooled products (the E4M3 copies of the pooled statistics, fpv2.h ABI 1.2).
+  // 8-bit wgmma reads both operands K-major: Q and P come from registers (RS), pooled K is (N, d) with d
+  // contiguous and pooled V^T is (d, N) with the pooled keys contiguous. Each pooled tile fills the first
+  // half of a bf16 stage (the stage buffers stay 1024-byte aligned).
+  using ElementE4M3 = cutlass::float_e4m3_t;
+  using MmaAtomQKE4M3 = decltype(cute::SM90::GMMA::rs_op_selector<
+                                 ElementE4M3, ElementE4M3, Accum,
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>());
+  using MmaAtomPVE4M3 = decltype(cute::SM90::GMMA::rs_op_selector<
+                                 ElementE4M3, ElementE4M3, Accum,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>>());
+  using TiledMmaQKE4M3 = decltype(cute::make_tiled_mma(MmaAtomQKE4M3{}, ConsumerAtomLayout{}));
+  using TiledMmaPVE4M3 = decltype(cute::make_tiled_mma(MmaAtomPVE4M3{}, ConsumerAtomLayout{}));
+  // The widest swizzle a row allows: d bytes for pooled K (64 or 128), 128 bytes (kBlockN keys) for V^T.
+  using SmemLayoutAtomKE4M3 = std::conditional_t<kHeadDim % 128 == 0, cute::GMMA::Layout_K_SW128_Atom<ElementE4M3>,
+                                                 cute::GMMA::Layout_K_SW64_Atom<ElementE4M3>>;
+  using SmemLayoutKE4M3Stage = decltype(cute::tile_to_shape(SmemLayoutAtomKE4M3{},
+                                                            cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutVtE4M3Stage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElementE4M3>{},
+                                                             cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}));
+  static constexpr int kTileBytesE4M3 = kBlockN * kHeadDim;
+  static_assert(kBlockN == 128, "a V^T row of pooled keys is one 128-byte swizzle row");
 
   static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesV = kBlockN * kHeadDim * int(sizeof(Element));

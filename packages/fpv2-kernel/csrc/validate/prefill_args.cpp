@@ -145,7 +145,7 @@ int32_t validate_prefill_args(const fpv2_prefill_args_t* args) {
                   "fpv2_prefill_args_t.correction is set but index is NULL: dense attention prunes no block, so "
                   "there is nothing to correct; pass the block index the plan was built for");
     }
-    FPV2_RETURN_IF_ERROR(check_struct(a.correction, "fpv2_correction_plan_t", "correction"));
+    FPV2_RETURN_IF_ERROR(check_plan_struct(a.correction, "correction"));
     const fpv2_correction_plan_t& plan = *a.correction;
     if (plan.block_size != a.index->block_size) {
       return fail(FPV2_ERROR_INVALID_ARGUMENT,

@@ -140,8 +140,63 @@ int32_t validate_index(const fpv2_block_index_t* index, const fpv2_paged_batch_t
   return FPV2_OK;
 }
 
+int32_t check_plan_struct(const fpv2_correction_plan_t* plan, const char* role) {
+  return check_struct(plan, kPlan, role, FPV2_CORRECTION_PLAN_SIZE_V1_1);
+}
+
+bool plan_has_e4m3(const fpv2_correction_plan_t& plan) {
+  if (plan.struct_size < sizeof(fpv2_correction_plan_t)) return false;
+  return !is_absent(plan.pooled_k_e4m3) || !is_absent(plan.pooled_vt_e4m3) || !is_absent(plan.e4m3_offsets) ||
+         !is_absent(plan.e4m3_scales);
+}
+
+namespace {
+
+// The E4M3 copies (fpv2.h, ABI 1.2): all four tensors, shapes consistent with the F32/BF16 statistics.
+int32_t validate_plan_e4m3(const fpv2_correction_plan_t& p, const fpv2_paged_batch_t& batch) {
+  const fpv2_tensor_t* parts[] = {&p.pooled_k_e4m3, &p.pooled_vt_e4m3, &p.e4m3_offsets, &p.e4m3_scales};
+  for (const fpv2_tensor_t* t : parts) {
+    if (is_absent(*t)) {
+      return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                  format("fpv2_correction_plan_t: the E4M3 copies come together (pooled_k_e4m3, pooled_vt_e4m3, "
+                         "e4m3_offsets, e4m3_scales all present or all absent); got pooled_k_e4m3 %s, "
+                         "pooled_vt_e4m3 %s, e4m3_offsets %s, e4m3_scales %s",
+                         describe(p.pooled_k_e4m3).c_str(), describe(p.pooled_vt_e4m3).c_str(),
+                         describe(p.e4m3_offsets).c_str(), describe(p.e4m3_scales).c_str()));
+    }
+  }
+  const int64_t hkv = p.pooled_k.shape[1], d = p.pooled_k.shape[2];
+  FPV2_RETURN_IF_ERROR(check_required(p.pooled_k_e4m3, "fpv2_correction_plan_t.pooled_k_e4m3", {FPV2_DTYPE_E4M3}, 3));
+  FPV2_RETURN_IF_ERROR(check_contiguous(p.pooled_k_e4m3, "fpv2_correction_plan_t.pooled_k_e4m3"));
+  const int64_t rows = p.pooled_k_e4m3.shape[0];
+  FPV2_RETURN_IF_ERROR(check_shape(p.pooled_k_e4m3, "fpv2_correction_plan_t.pooled_k_e4m3", {rows, hkv, d},
+                                   "(rows, Hkv, d) with pooled_k's Hkv and d"));
+  if (rows % 16 != 0 || rows < p.pooled_k.shape[0]) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("fpv2_correction_plan_t.pooled_k_e4m3: rows must be a multiple of 16 and at least "
+                       "total_blocks=%lld; got %s",
+                       ll(p.pooled_k.shape[0]), describe(p.pooled_k_e4m3).c_str()));
+  }
+  FPV2_RETURN_IF_ERROR(
+      check_required(p.pooled_vt_e4m3, "fpv2_correction_plan_t.pooled_vt_e4m3", {FPV2_DTYPE_E4M3}, 3));
+  FPV2_RETURN_IF_ERROR(check_shape(p.pooled_vt_e4m3, "fpv2_correction_plan_t.pooled_vt_e4m3", {hkv, d, rows},
+                                   "(Hkv, d, rows) with pooled_k_e4m3's rows"));
+  FPV2_RETURN_IF_ERROR(check_contiguous(p.pooled_vt_e4m3, "fpv2_correction_plan_t.pooled_vt_e4m3"));
+  FPV2_RETURN_IF_ERROR(check_required(p.e4m3_offsets, "fpv2_correction_plan_t.e4m3_offsets", {FPV2_DTYPE_I32}, 1));
+  FPV2_RETURN_IF_ERROR(check_shape(p.e4m3_offsets, "fpv2_correction_plan_t.e4m3_offsets",
+                                   {static_cast<int64_t>(batch.num_requests) + 1}, "(B+1,)"));
+  FPV2_RETURN_IF_ERROR(check_contiguous(p.e4m3_offsets, "fpv2_correction_plan_t.e4m3_offsets"));
+  FPV2_RETURN_IF_ERROR(check_required(p.e4m3_scales, "fpv2_correction_plan_t.e4m3_scales", {FPV2_DTYPE_F32}, 3));
+  FPV2_RETURN_IF_ERROR(check_shape(p.e4m3_scales, "fpv2_correction_plan_t.e4m3_scales",
+                                   {static_cast<int64_t>(batch.num_requests), hkv, 2}, "(B, Hkv, 2)"));
+  FPV2_RETURN_IF_ERROR(check_contiguous(p.e4m3_scales, "fpv2_correction_plan_t.e4m3_scales"));
+  return FPV2_OK;
+}
+
+}  // namespace
+
 int32_t validate_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch_t& batch) {
-  FPV2_RETURN_IF_ERROR(check_struct(plan, kPlan, "correction"));
+  FPV2_RETURN_IF_ERROR(check_plan_struct(plan, "correction"));
   const fpv2_correction_plan_t& p = *plan;
   if (p.chunk_size != FPV2_CORRECTION_CHUNK) {
     return fail(FPV2_ERROR_INVALID_ARGUMENT,
@@ -197,6 +252,9 @@ int32_t validate_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch
     }
     FPV2_RETURN_IF_ERROR(check_required(p.todo_masks, "fpv2_correction_plan_t.todo_masks", {FPV2_DTYPE_I64}, 1));
     FPV2_RETURN_IF_ERROR(check_contiguous(p.todo_masks, "fpv2_correction_plan_t.todo_masks"));
+  }
+  if (plan_has_e4m3(p)) {
+    FPV2_RETURN_IF_ERROR(validate_plan_e4m3(p, batch));
   }
   return FPV2_OK;
 }

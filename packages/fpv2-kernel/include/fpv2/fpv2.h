@@ -23,10 +23,11 @@
 #ifndef FPV2_FPV2_H_
 #define FPV2_FPV2_H_
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define FPV2_ABI_VERSION_MAJOR 1
-#define FPV2_ABI_VERSION_MINOR 1
+#define FPV2_ABI_VERSION_MINOR 2
 
 #if defined(_WIN32)
 #define FPV2_API
@@ -129,7 +130,22 @@ typedef struct fpv2_block_index_t {
  * bit i of word w of segment s (todo_masks[todo_offsets[s] + w]) marks block w * 64 + i; when
  * absent the kernel derives the same bits from the block index (the Hopper kernel always derives
  * them). The pooled tensors are F32 or, since ABI 1.1, BF16 (both the same dtype); the Hopper
- * kernel reads BF16 only and refuses F32 with FPV2_ERROR_UNSUPPORTED. */
+ * kernel reads BF16 only and refuses F32 with FPV2_ERROR_UNSUPPORTED, unless the E4M3 copies below
+ * are given.
+ *
+ * Since ABI 1.2, optional E4M3 copies of the pooled statistics (all four tensors, or none) let the
+ * Hopper kernel run the correction's pooled products on FP8 tensor cores (TMA path: page_size a
+ * multiple of 128; refused with FPV2_ERROR_UNSUPPORTED otherwise). With them, pooled_k/pooled_v
+ * may be F32 or BF16 and are not read by that kernel. Request b's block J is row
+ * e4m3_offsets[b] + J of pooled_k_e4m3 and column e4m3_offsets[b] + FPV2_E4M3_SLOT(J) of
+ * pooled_vt_e4m3; every offset is a multiple of 16 and the rows or columns between requests hold
+ * zeros. The slot order inside each group of 16 blocks is the order in which the kernel's FP8
+ * accumulator registers are reused as the A operand of the P x V product: slot 4t + i holds block
+ * 2t + i (i < 2) or 8 + 2t + i - 2 (i >= 2). Values are e4m3 x scale (e4m3_scales[b][h][0] for K,
+ * [1] for V). A struct_size of the ABI 1.1 struct (FPV2_CORRECTION_PLAN_SIZE_V1_1) is accepted: the
+ * E4M3 copies are then absent. */
+#define FPV2_E4M3_SLOT(J) \
+  (((J) & ~15) + (((J) & 15) < 8 ? 4 * (((J) & 15) >> 1) + ((J) & 1) : 4 * ((((J) & 15) - 8) >> 1) + 2 + ((J) & 1)))
 #define FPV2_CORRECTION_CHUNK 64
 
 typedef struct fpv2_correction_plan_t {
@@ -142,7 +158,16 @@ typedef struct fpv2_correction_plan_t {
   fpv2_tensor_t block_offsets; /* (B+1,) I32, contiguous */
   fpv2_tensor_t todo_offsets;  /* optional, (S+1,) I32, contiguous */
   fpv2_tensor_t todo_masks;    /* optional, (num_words,) I64, contiguous */
+  /* ABI 1.2: optional E4M3 copies (see above); all four present or all absent. rows >= the last
+   * request's e4m3_offsets[B - 1] + its blocks, a multiple of 16. */
+  fpv2_tensor_t pooled_k_e4m3;  /* (rows, Hkv, d) E4M3, contiguous */
+  fpv2_tensor_t pooled_vt_e4m3; /* (Hkv, d, rows) E4M3, contiguous */
+  fpv2_tensor_t e4m3_offsets;   /* (B+1,) I32, contiguous, multiples of 16 */
+  fpv2_tensor_t e4m3_scales;    /* (B, Hkv, 2) F32, contiguous: K scale, V scale */
 } fpv2_correction_plan_t;
+
+/* sizeof(fpv2_correction_plan_t) in ABI 1.1 (before the E4M3 copies). */
+#define FPV2_CORRECTION_PLAN_SIZE_V1_1 ((uint32_t)offsetof(fpv2_correction_plan_t, pooled_k_e4m3))
 
 /* ------------------------------------------------------------------------------------------------
  * Arguments of one prefill call. */

@@ -24,8 +24,11 @@
 
 #include <cute/tensor.hpp>
 
+#include "fpv2/fpv2.h"
+
 #include "hopper/prefill_traits.hpp"
 #include "hopper/fragment_layouts.hpp"
+#include "hopper/pooled_e4m3_operands.hpp"
 #include "hopper/prefill_instances.hpp"
 #include "hopper/shared_copy.hpp"
 #include "hopper/shared_storage.hpp"
@@ -74,6 +77,64 @@ void check_p_operand() {
                  "P register holds the (row, kv) the PV A operand expects: thread, value, k-block", t, v, k);
         }
       }
+    }
+  }
+}
+
+// The FP8 pooled products (pooled_e4m3_operands.hpp): the e4m3 A fragments of Q and P against CuTe's
+// 8-bit RS layouts, the slot order of the pooled V^T tile against FPV2_E4M3_SLOT, and the S / O
+// accumulators of the FP8 MMAs against the bf16 ones whose registers they share.
+template <class Traits>
+void check_e4m3_operands() {
+  using TileS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
+  using TileO = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  typename Traits::TiledMmaQKE4M3 mma_qk8;
+  typename Traits::TiledMmaPVE4M3 mma_pv8;
+  for (int slot = 0; slot < 64; ++slot) {
+    const int block = fpv2::hopper::e4m3_slot_block(slot);
+    expect(FPV2_E4M3_SLOT(block) == slot, "FPV2_E4M3_SLOT inverts e4m3_slot_block: slot, block", slot, block);
+    expect(block / 16 == slot / 16, "the slot order stays inside its group of 16: slot, block", slot, block);
+  }
+  for (int t = 0; t < Traits::kNumConsumerThreads; ++t) {
+    Tensor s = mma_qk.get_thread_slice(t).partition_C(make_identity_tensor(TileS{}));
+    Tensor s8 = mma_qk8.get_thread_slice(t).partition_C(make_identity_tensor(TileS{}));
+    Tensor o = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(TileO{}));
+    Tensor o8 = mma_pv8.get_thread_slice(t).partition_C(make_identity_tensor(TileO{}));
+    static_assert(decltype(size(s))::value == decltype(size(s8))::value, "S fragments of equal size");
+    static_assert(decltype(size(o))::value == decltype(size(o8))::value, "O fragments of equal size");
+    for (int v = 0; v < size(s); ++v) {
+      expect(s(v) == s8(v), "the FP8 QK accumulator is the bf16 one: thread, value", t, v);
+    }
+    for (int v = 0; v < size(o); ++v) {
+      expect(o(v) == o8(v), "the FP8 PV accumulator is the bf16 one: thread, value", t, v);
+    }
+    // P: A value v of the PV product (row m, slot k) comes from S value e4m3_p_source(v), which must be
+    // row m and the column of the block that slot k holds.
+    Tensor p_want = mma_pv8.get_thread_slice(t).partition_A(make_identity_tensor(TileS{}));
+    static_assert(decltype(size(p_want))::value == decltype(size(s))::value, "P reuses every score register");
+    expect(size(make_layout(partition_shape_A(mma_pv8, TileS{}))) == size(p_want), "P fragment shape", t);
+    for (int v = 0; v < size(p_want); ++v) {
+      const auto src = s(fpv2::hopper::e4m3_p_source(v));
+      const int m = get<0>(p_want(v)), k = get<1>(p_want(v));
+      expect(int(get<0>(src)) == m && int(get<1>(src)) == fpv2::hopper::e4m3_slot_block(k),
+             "e4m3 P slot holds its block's score: thread, value, slot", t, v, k);
+    }
+    // Q: value v's row is the thread's S row e4m3_a_row(v) (the row scales are per S row).
+    Tensor q_want = mma_qk8.get_thread_slice(t).partition_A(make_identity_tensor(TileO{}));
+    Tensor s_rc = make_tensor(s.data(), fpv2::hopper::accumulator_rows_cols(s.layout()));
+    static_assert(decltype(size<0>(s_rc))::value == 2, "two rows per thread");
+    for (int v = 0; v < size(q_want); ++v) {
+      expect(int(get<0>(q_want(v))) == int(get<0>(s_rc(fpv2::hopper::e4m3_a_row(v), 0))),
+             "e4m3 Q value's row is the S row of its scale: thread, value", t, v);
+    }
+    if (t == 0) {
+      std::printf("e4m3 P A partition layout: ");
+      print(p_want.layout());
+      std::printf("\ne4m3 Q A partition layout: ");
+      print(q_want.layout());
+      std::printf("\n");
     }
   }
 }
@@ -290,6 +351,7 @@ int check_head_dim() {
                 Traits::kBlockM, Traits::kBlockN, Traits::kStages, fpv2::hopper::prefill_smem_bytes<Traits>());
   return run_checks(title, {{"P registers as PV A operand", check_p_operand<Traits>},
                             {"S/O rows and epilogue pairs", check_rows<Traits>},
+                            {"FP8 pooled operands (Q, P, V^T slots)", check_e4m3_operands<Traits>},
                             {"shared-memory 16-byte chunks", check_smem_chunks<Traits>}});
 }
 

@@ -14,6 +14,7 @@
 
 #include "device_fill.cuh"
 #include "paged_case.cuh"
+#include "pooled_e4m3_case.cuh"
 
 namespace fpv2::native_test {
 
@@ -151,6 +152,15 @@ class SparseCase {
     a.correction = correction_ ? &plan_ : nullptr;
   }
 
+  // Hands the correction's pooled statistics over as E4M3 copies as well (the FP8 pooled products).
+  void use_e4m3(int num_kv_heads, int head_dim) {
+    e4m3_.build(pooled_k_.get(), pooled_v_.get(), block_offsets_, block_offsets_dev_.get(), pooled_rows_,
+                num_kv_heads, head_dim);
+    e4m3_.attach(plan_);
+    uses_e4m3_ = true;
+  }
+  bool uses_e4m3() const { return uses_e4m3_; }
+
   double density() const { return visible_ ? double(blocks_.size()) / double(visible_) : 0.0; }
   bool correction() const { return correction_; }
   const int32_t* offsets_dev() const { return offsets_dev_.get(); }
@@ -170,6 +180,8 @@ class SparseCase {
   DeviceBuffer<__nv_bfloat16> pooled_k_, pooled_v_;
   fpv2_block_index_t index_{};
   fpv2_correction_plan_t plan_{};
+  PooledE4M3Case e4m3_;
+  bool uses_e4m3_ = false;
 };
 
 }  // namespace fpv2::native_test
