@@ -110,7 +110,7 @@ _MARKED = (
 )
 
 
-def host_marks(call, repeats: int) -> list[tuple[str, float, float]]:
+def host_marks(call, repeats: int, spin: bool = False) -> list[tuple[str, float, float]]:
     """When the host issued each launch and when the GPU got past it, without the profiler.
 
     The profiler's timeline is distorted (its Triton launch hooks send every launch through
@@ -118,8 +118,18 @@ def host_marks(call, repeats: int) -> list[tuple[str, float, float]]:
     (``perf_counter``) is taken and a CUDA event recorded; a start event and time open the call,
     which starts on an idle GPU like a ``fpv2 bench`` sample. Rows: ``(label, host ms, GPU ms)``
     after the start, medians of ``repeats`` calls; a GPU time well after the host time of the
-    next launch means the GPU waited for that launch.
+    next launch means the GPU waited for that launch. ``spin``: the host waits for the GPU (before
+    and after each call) by polling an event instead of sleeping in a blocking synchronize, to see
+    whether a host thread woken from that sleep issues the next call more slowly.
     """
+
+    def wait(event: torch.cuda.Event) -> None:
+        if spin:
+            while not event.query():
+                pass
+        else:
+            event.synchronize()
+
     import importlib
     from unittest import mock
 
@@ -144,7 +154,9 @@ def host_marks(call, repeats: int) -> list[tuple[str, float, float]]:
         for patch in patches:
             patch.start()
         try:
-            torch.cuda.synchronize()
+            idle = torch.cuda.Event()
+            idle.record()
+            wait(idle)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
@@ -152,7 +164,7 @@ def host_marks(call, repeats: int) -> list[tuple[str, float, float]]:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             marks.append(("call returned / GPU done", time.perf_counter(), end))
-            end.synchronize()
+            wait(end)
         finally:
             for patch in patches:
                 patch.stop()

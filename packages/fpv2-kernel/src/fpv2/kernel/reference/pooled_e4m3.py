@@ -165,7 +165,9 @@ def quantize_pooled_e4m3_reference(
         for which, (src, dst) in enumerate(((pooled_k, "k"), (pooled_v, "vt"))):
             x = src[start:end].float()  # (n, Hkv, d)
             amax = x.abs().amax(dim=(0, 2))
-            scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_E4M3_MAX)
+            # A tensor divisor: torch divides a CUDA tensor by a Python scalar as a multiplication by
+            # its reciprocal (not the IEEE quotient the kernel computes), which differs in the last bit.
+            scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_E4M3_MAX))
             scales[b, :, which] = scale
             q = (x / scale[None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
             if dst == "k":
