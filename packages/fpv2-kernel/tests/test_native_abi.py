@@ -738,6 +738,10 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     monkeypatch.setenv("FPV2_HOPPER_REQUEST_MAJOR", "yes")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_REQUEST_MAJOR=yes" in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_REQUEST_MAJOR", "1")
+    monkeypatch.setenv("FPV2_HOPPER_POOLED_HALF_EXP", "half")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "FPV2_HOPPER_POOLED_HALF_EXP=half" in _last_error()
 
 
 @needs_library

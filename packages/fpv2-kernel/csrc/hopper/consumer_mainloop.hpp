@@ -425,7 +425,15 @@ struct ConsumerMainloop {
             warpgroup_wait<1>();  // the QK batch (issued first) is done, the PV batch may still run
             finish_scores(n, mode);
             float factors[kRows];
-            softmax.rescale_scores(tSrS_rc, factors);
+            if constexpr (kMode >= 2 && !kPooledE4M3) {
+              if (params.pooled_half_exp) {
+                softmax.template rescale_scores<true>(tSrS_rc, factors);
+              } else {
+                softmax.rescale_scores(tSrS_rc, factors);
+              }
+            } else {
+              softmax.rescale_scores(tSrS_rc, factors);
+            }
             if constexpr (kPending8) {
               retire_pending_pv_e4m3();
             } else {

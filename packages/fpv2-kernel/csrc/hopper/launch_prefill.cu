@@ -297,6 +297,8 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   // Request-major tile order by default: 4 x 128K dense 1269 -> 1027 ms, sparse + correction 59.2 -> 56.2 ms.
   int32_t request_major = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_REQUEST_MAJOR", 1, &request_major));
+  int32_t pooled_half_exp = 0;
+  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_POOLED_HALF_EXP", 0, &pooled_half_exp));
 
   DeviceGuard guard;
   FPV2_RETURN_IF_ERROR(guard.select(args.device));
@@ -338,6 +340,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   plan.persistent = persistent;
   plan.overlap = overlap;
   plan.request_major = request_major;
+  plan.pooled_half_exp = pooled_half_exp;
   if (args.index != nullptr) {
     plan.index_offsets = static_cast<const int32_t*>(args.index->offsets.data);
     plan.index_blocks = static_cast<const int32_t*>(args.index->blocks.data);

@@ -161,6 +161,7 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       e4m3_rows,
       plan.e4m3_offsets,
       plan.e4m3_scales,
+      plan.pooled_half_exp,
   };
 
   // The launcher sends the E4M3 copies only with the overlapped consumers (launch_prefill.cu).

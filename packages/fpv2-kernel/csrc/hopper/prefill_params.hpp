@@ -123,6 +123,9 @@ struct PrefillParams {
   int32_t pooled_e4m3_rows;
   int32_t const* e4m3_offsets;
   float const* e4m3_scales;
+
+  // FPV2_HOPPER_POOLED_HALF_EXP=1: the pooled tiles' exponentials two per ex2.approx.f16x2 (A/B switch).
+  int32_t pooled_half_exp;
 };
 
 }  // namespace fpv2::hopper
