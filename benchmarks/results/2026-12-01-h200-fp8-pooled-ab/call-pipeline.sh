@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pipeline A/B of the FP8 pooled products (FPV2_HOPPER_POOLED_E4M3), the kernel package's GPU tests, host marks.
-RET=$OUT; R=<out>; mkdir -p $R
+RET=$OUT; R=$(mktemp -d)
 export PYTHONPATH=$(ls -d $PWD/packages/*/src | tr '\n' ':')
 export FPV2_KERNEL_LIBRARY=$PWD/.carry/lib/libfpv2_kernel.so FPV2_COMMIT=$(cat .carry/TREE_COMMIT)
 for L in 32768 131072; do for E in 0 1; do
@@ -10,4 +10,4 @@ done; done
 timeout 60 python3 benchmarks/pipeline_profile.py --marks-only --seqlen 32768 131072 --page-size 128 --repeats 10 --out $R/marks > $R/marks.log 2>&1; echo "marks rc=$?"
 grep -v Warn $R/marks.log | tail -30
 FPV2_REQUIRE_NATIVE=1 timeout 200 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" packages/fpv2-kernel/tests > $R/pytest-kernel.log 2>&1; echo "pytest rc=$?"; tail -3 $R/pytest-kernel.log
-cd /tmp && tar czf $RET/callB.tgz rB
+tar czf $RET/callB.tgz -C "$R" .
