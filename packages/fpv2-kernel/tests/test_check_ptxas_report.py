@@ -126,10 +126,10 @@ def _e4m3_entry(head_dim: int, stages: int, stack: int, spill: int) -> str:
 
 
 def test_fp8_pooled_products_have_their_own_budget(tmp_path: Path) -> None:
-    # At d=128 its measured 80 B stack / 88 B of spills pass; more fails, named as its own variant; at d=64 it
-    # has the default 16 / 8.
+    # At d=128 its measured 80 B stack / 100 B of spills pass; more fails, named as its own variant; at d=64
+    # it has the default 16 / 8.
     base = _report((8, 4, 4), (8, 12, 12))
-    assert _run(tmp_path, base + _e4m3_entry(128, 2, 80, 88) + _e4m3_entry(64, 4, 0, 0)).returncode == 0
+    assert _run(tmp_path, base + _e4m3_entry(128, 2, 80, 100) + _e4m3_entry(64, 4, 0, 0)).returncode == 0
     result = _run(tmp_path, base + _e4m3_entry(128, 2, 112, 196))
     assert result.returncode == 1
     assert "FAIL: prefill_kernel d=128 (overlapped consumers, FP8 pooled products): 112 bytes" in result.stdout

@@ -157,8 +157,11 @@ struct ConsumerMainloop {
     Pipeline pipeline_v(smem.pipeline_v);
     const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
     const int pooled_base = params.has_correction ? params.pooled_block_offsets[tile.request] : 0;
-    const float log2_to_raw = 0.69314718055994531f * params.inverse_softmax_scale;
-    if (schedule.num_correction > 0) {
+    const float log2_to_raw = CorrectionMask<Traits>::log2_to_raw(params);
+    // The overlapped consumers (one CTA per tile) on the TMA path leave the table to the producer's idle
+    // warps (CorrectionMask::build_by_producer, prefill_kernel.hpp) and wait for it at the first pooled tile.
+    const bool table_by_producer = kOverlap && params.gather == 0;
+    if (schedule.num_correction > 0 && !table_by_producer) {
       // Uniform over the CTA's consumers (the same schedule everywhere), so the barriers inside match. A
       // persistent CTA first waits until both warpgroups are done with the previous tile's table.
       if (params.persistent) {
@@ -368,9 +371,13 @@ struct ConsumerMainloop {
       };
 
       // Lambdas forced inline: left to the inliner, the unmasked-block instance became a call (a 1168-byte
-      // stack frame). Mode 3 (kPooledE4M3 only) is the first pooled tile after kept blocks: its pending PV
-      // product is still bf16, and O moves to the e4m3 products' scale (2^8 / v_scale) there.
-      const bool visited = walk_schedule_peeled<kPooledE4M3>(
+      // stack frame). With kPooledE4M3, mode 3 (the first pooled tile after kept blocks) has a bf16 pending PV
+      // product, and O moves to the e4m3 products' scale (2^8 / v_scale) there.
+      auto await_shift_table = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if (table_by_producer) CorrectionMask<Traits>::await_built();
+      };
+      // Mode 3 is the first pooled tile after kept blocks (a first tile of mode 2 is the first pooled one too).
+      const bool visited = walk_schedule_peeled</*kMarkFirstPooled=*/true>(
           schedule, tile,
           [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
             constexpr bool kPooled8 = kPooledE4M3 && decltype(mode)::value >= 2;
@@ -380,6 +387,7 @@ struct ConsumerMainloop {
             } else {
               issue_scores();
             }
+            if constexpr (decltype(mode)::value >= 2) await_shift_table();
             warpgroup_wait<0>();
             finish_scores(n, mode);
             float factors[kRows];
@@ -404,6 +412,7 @@ struct ConsumerMainloop {
               for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= to_e4m3_scale;
               build_query_e4m3();
               issue_scores_e4m3();
+              await_shift_table();
               warpgroup_wait<0>();
               finish_scores(n, mode);
               float factors[kRows];
@@ -422,6 +431,7 @@ struct ConsumerMainloop {
             } else {
               issue_pending_pv();
             }
+            if constexpr (kMode == 3) await_shift_table();
             warpgroup_wait<1>();  // the QK batch (issued first) is done, the PV batch may still run
             finish_scores(n, mode);
             float factors[kRows];

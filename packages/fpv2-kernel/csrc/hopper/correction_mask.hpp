@@ -65,6 +65,47 @@ struct CorrectionMask {
     cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingShifts));
   }
 
+  // On the TMA path of one CTA per tile the producer warpgroup's warps 1..3 (idle there: one thread of warp 0
+  // issues the TMA copies) fill the table instead, while the consumers gather Q and run the kept blocks;
+  // the consumers wait for it at their first pooled tile (await_built). kBuilders threads, builder index
+  // 0..kBuilders-1. Row j is owned by builder j % kBuilders, which writes its shift and then, scanning the
+  // tile's kept ids, its -inf: program order replaces build()'s barrier between the two passes.
+  // ln(2) / softmax_scale: turns log2|B| into the raw-score shift.
+  template <class Params>
+  __device__ __forceinline__ static float log2_to_raw(Params const& params) {
+    return 0.69314718055994531f * params.inverse_softmax_scale;
+  }
+
+  static constexpr int kBuilders = Traits::kThreadsPerWarpGroup - 32;
+  static constexpr int kBuiltArrivals = kBuilders + Traits::kNumConsumerThreads;
+
+  template <class Params>
+  __device__ __forceinline__ static void build_by_producer(PendingShiftsStorage& table, Params const& params,
+                                                           BlockSchedule const& schedule, int pooled_base,
+                                                           int n_block_masked, float log2_to_raw, int builder) {
+    const int rows = schedule.num_correction * Traits::kBlockN;
+    for (int j = builder; j < rows; j += kBuilders) {
+      float shift = -INFINITY;
+      if (j < n_block_masked) {
+        const int length = params.block_lengths[pooled_base + j];
+        if (length > 0) shift = __log2f(float(length < Traits::kBlockN ? length : Traits::kBlockN)) * log2_to_raw;
+      }
+      table.shift[j] = shift;
+    }
+    for (int i = 0; i < schedule.num_kept; ++i) {
+      const int j = schedule.kept[i];
+      if (j >= 0 && j < n_block_masked && j % kBuilders == builder) {
+        table.shift[j] = -INFINITY;
+      }
+    }
+    cutlass::arch::NamedBarrier::arrive(kBuiltArrivals, barrier_id(ConsumerBarrier::kPendingShiftsBuilt));
+  }
+
+  // Consumers, once per tile, before reading the table that build_by_producer fills.
+  __device__ __forceinline__ static void await_built() {
+    cutlass::arch::NamedBarrier::sync(kBuiltArrivals, barrier_id(ConsumerBarrier::kPendingShiftsBuilt));
+  }
+
   // Adds the shift of each eligible column of pooled tile `pooled_tile` and turns the others into -inf:
   // x + -inf = -inf, and the max with -inf maps the NaN that a masked row of garbage could produce to -inf
   // too (fmaxf returns the other operand of a NaN), with no per-column predicate.

@@ -13,6 +13,7 @@ enum class ConsumerBarrier : uint32_t {
   kPendingShifts = 3,         // the correction's table of pending shifts is filled / complete
   kTurnWarpGroup1 = 5,            // + consumer warpgroup index: that warpgroup may issue its QK product
   kTurnWarpGroup2 = 6,            //   (pingpong schedule, FPV2_HOPPER_PINGPONG=1)
+  kPendingShiftsBuilt = 7,        // the producer's idle warps filled the correction's table (TMA path)
 };
 
 // Named barriers among the producer warpgroup's threads (cp.async gather), after the consumer ones.
@@ -23,7 +24,7 @@ enum class ProducerBarrier : uint32_t {
 __device__ __forceinline__ constexpr uint32_t barrier_id(ConsumerBarrier b) { return static_cast<uint32_t>(b); }
 __device__ __forceinline__ constexpr uint32_t barrier_id(ProducerBarrier b) { return static_cast<uint32_t>(b); }
 
-static_assert(static_cast<uint32_t>(ConsumerBarrier::kTurnWarpGroup2) <= 7 &&
+static_assert(static_cast<uint32_t>(ConsumerBarrier::kPendingShiftsBuilt) <= 7 &&
                   static_cast<uint32_t>(ProducerBarrier::kGatherRows) <= 7,
               "CUTLASS reserves 8 of the 16 hardware barriers: ids 0..7 are left");
 

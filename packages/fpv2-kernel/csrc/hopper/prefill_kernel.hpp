@@ -66,7 +66,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // together read the K/V of one request and share it in L2 (at B = 1 both orders are the same).
   // One CTA per tile, or (kPersistent) one CTA per SM walking tiles blockIdx.x, + gridDim.x, ...
   const int heads_x_requests = params.num_kv_heads * params.num_requests;
+  // Head-major (params.head_major, the default; FPV2_HOPPER_HEAD_MAJOR=0 turns it off): request slowest, then
+  // the KV head, the query tile fastest, so the CTAs resident together are consecutive query tiles of one KV
+  // head and share its kept blocks (the index's columns are per KV head) in L2. With the KV head fastest the
+  // sparse kernel read most of its K/V from DRAM (ncu 2026-12-01, random CSR at 128K: 30.5 GB, 15% L2 hits).
+  // Measured: launch_prefill.cu.
   auto tile_at = [&](int index) {
+    if (params.head_major) {
+      const int m_from_last = index % params.num_m_blocks;
+      const int rest = index / params.num_m_blocks;
+      return Geometry::load(rest / params.num_kv_heads, rest % params.num_kv_heads,
+                            params.num_m_blocks - 1 - m_from_last, params.group, params.cu_seqlens_q,
+                            params.seqlens_k);
+    }
     // Digits of the index, fastest first: the KV head, then `middle`, then `outer`; the flag (0 or 1) only
     // swaps which of the two is the request.
     const int rm = params.request_major;
@@ -121,8 +133,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         KvSharedRowsGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state, round);
       } else if (params.gather == 3) {
         KvWarpGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state);
-      } else if (warp == 0 && cute::elect_one_sync()) {
-        KvProducer<Traits>::run(params, tile, smem, state);
+      } else if (warp == 0) {
+        if (cute::elect_one_sync()) KvProducer<Traits>::run(params, tile, smem, state);
+      } else if (kOverlap && params.has_correction) {
+        // Warps 1..3 are idle on the TMA path: they fill the correction's table for the overlapped
+        // consumers (consumer_mainloop.hpp waits for it at the first pooled tile).
+        const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+        if (schedule.num_correction > 0) {
+          CorrectionMask<Traits>::build_by_producer(smem.pending_shifts, params, schedule,
+                                                    params.pooled_block_offsets[tile.request], tile.n_block_masked,
+                                                    CorrectionMask<Traits>::log2_to_raw(params),
+                                                    int(threadIdx.x) - 32);
+        }
       }
     };
     if constexpr (kPersistent) {

@@ -162,6 +162,7 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       plan.e4m3_offsets,
       plan.e4m3_scales,
       plan.pooled_half_exp,
+      plan.head_major,
   };
 
   // The launcher sends the E4M3 copies only with the overlapped consumers (launch_prefill.cu).

@@ -126,6 +126,10 @@ struct PrefillParams {
 
   // FPV2_HOPPER_POOLED_HALF_EXP=1: the pooled tiles' exponentials two per ex2.approx.f16x2 (A/B switch).
   int32_t pooled_half_exp;
+
+  // FPV2_HOPPER_HEAD_MAJOR (default 1): tile order request, KV head, query tile (fastest), overriding
+  // request_major; see prefill_kernel.hpp.
+  int32_t head_major;
 };
 
 }  // namespace fpv2::hopper

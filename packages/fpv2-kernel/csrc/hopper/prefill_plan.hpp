@@ -69,8 +69,9 @@ struct PrefillPlan {
   int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (measured, not faster)
   int32_t persistent;  // FPV2_HOPPER_PERSISTENT: 0 (default) or 1 (measured, slower in dense mode)
   int32_t overlap;     // FPV2_HOPPER_OVERLAP: 1 (default) or 0; PV of tile n-1 in flight during softmax n
-  int32_t request_major;  // FPV2_HOPPER_REQUEST_MAJOR: 1 (default) or 0; tile order, see PrefillParams
+  int32_t request_major;  // FPV2_HOPPER_REQUEST_MAJOR: 1 (default) or 0; the order when head_major is 0
   int32_t pooled_half_exp;  // FPV2_HOPPER_POOLED_HALF_EXP: 0 (default) or 1; fp16x2 exponentials on pooled tiles
+  int32_t head_major;       // FPV2_HOPPER_HEAD_MAJOR: 1 (default) or 0; tile order, see PrefillParams
 };
 
 }  // namespace fpv2::hopper

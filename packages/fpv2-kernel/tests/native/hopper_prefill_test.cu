@@ -526,13 +526,18 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
                                                                      : !(pingpong_on || persistent_on);
       const char* request_major = std::getenv("FPV2_HOPPER_REQUEST_MAJOR");
       const int request_major_on = !(request_major != nullptr && std::strcmp(request_major, "0") == 0);
+      const char* head_major = std::getenv("FPV2_HOPPER_HEAD_MAJOR");
+      const int head_major_on = !(head_major != nullptr && std::strcmp(head_major, "0") == 0);
+      const char* half_exp = std::getenv("FPV2_HOPPER_POOLED_HALF_EXP");
+      const int half_exp_on = half_exp != nullptr && std::strcmp(half_exp, "1") == 0;
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
-      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
+      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"head_major\": %d, \"pooled_half_exp\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
                   "\"d\": %d, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "
                   "\"correction_overhead\": %.4f, \"repeats\": %d, \"sample_max_abs_err\": %.4e, "
                   "\"sample_rel_rms\": %.4e}\n",
-                  impl, kv_path.c_str(), pingpong_on, persistent_on, overlap_on, request_major_on, batch, L, head_dim,
+                  impl, kv_path.c_str(), pingpong_on, persistent_on, overlap_on, request_major_on, head_major_on,
+                  half_exp_on, batch, L, head_dim,
                   page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
                   st.max_abs_err, rel_rms);
       failures += sample_ok ? 0 : 1;
