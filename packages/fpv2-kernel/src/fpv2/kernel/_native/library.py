@@ -156,6 +156,14 @@ def load_native_library() -> ctypes.CDLL:
     Raises:
         NativeLibraryError: not found, not loadable, or built for an incompatible ABI.
     """
+    return _load_from_environment(os.environ.get(LIBRARY_ENV) or "")
+
+
+@functools.cache
+def _load_from_environment(override: str) -> ctypes.CDLL:
+    # Keyed by $FPV2_KERNEL_LIBRARY: the path is resolved and stat'ed once per value, not on every prefill
+    # call (a syscall on the host path the GPU waits for). Failures are not cached, so they are re-checked.
+    del override  # the key; library_path() reads the same environment
     return _load(str(library_path()))
 
 

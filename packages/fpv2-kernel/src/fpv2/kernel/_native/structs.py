@@ -176,9 +176,8 @@ def tensor_desc(t: torch.Tensor | None, name: str = "tensor") -> TensorDesc:
         TypeError: ``t`` is not a tensor, not strided, or has a dtype the ABI lacks.
         ValueError: ``t`` has more than 4 dimensions.
     """
-    desc = TensorDesc()
     if t is None:
-        return desc
+        return TensorDesc()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -189,12 +188,12 @@ def tensor_desc(t: torch.Tensor | None, name: str = "tensor") -> TensorDesc:
         raise TypeError(f"{name} has dtype {t.dtype}, which the C ABI cannot describe (one of {allowed})")
     if t.dim() > MAX_NDIM:
         raise ValueError(f"{name} has rank {t.dim()} > {MAX_NDIM}; got shape {tuple(t.shape)}, dtype {t.dtype}")
-    desc.data = t.data_ptr() or None
-    desc.dtype = int(code)
-    desc.ndim = t.dim()
-    for i, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        desc.shape[i] = size
-        desc.strides[i] = stride
+    # Slice assignments and one constructor call: this runs ~24 times per prefill call, on the host path
+    # that the GPU waits for at short lengths (benchmarks/NOTES.md, 2026-12-01 fifth session).
+    ndim = t.dim()
+    desc = TensorDesc(t.data_ptr() or None, int(code), ndim)
+    desc.shape[:ndim] = t.shape
+    desc.strides[:ndim] = t.stride()
     return desc
 
 
