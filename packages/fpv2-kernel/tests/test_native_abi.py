@@ -742,6 +742,10 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     monkeypatch.setenv("FPV2_HOPPER_POOLED_HALF_EXP", "half")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_POOLED_HALF_EXP=half" in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_POOLED_HALF_EXP", "0")
+    monkeypatch.setenv("FPV2_HOPPER_HEAD_MAJOR", "on")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "FPV2_HOPPER_HEAD_MAJOR=on" in _last_error() and "(unset: 1)" in _last_error()
 
 
 @needs_library
