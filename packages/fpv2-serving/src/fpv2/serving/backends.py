@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from fpv2.kernel import BlockIndex, CorrectionPlan, PagedPrefillBatch
+from fpv2.kernel import BLOCK_SIZE, BlockIndex, CorrectionPlan, PagedPrefillBatch
 
 from .fallback_backend import FallbackBackend
 
@@ -245,8 +245,8 @@ class HopperBackend:
     name = "hopper"
     #: The kernel marks the kept blocks of each tile itself; it needs no todo bitmasks.
     derives_todo = True
-    #: Page-size multiple, head dim and block size of the kernel's TMA path.
-    kv_tile = 128
+    #: Page-size multiple and block size of the kernel's TMA path (its KV tile is the contracts' key block).
+    kv_tile = BLOCK_SIZE
     #: The loaded library's built head dims, read on the first ``serves`` (None until then).
     _head_dims: tuple[int, ...] | None = None
 

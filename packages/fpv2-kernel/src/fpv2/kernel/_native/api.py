@@ -9,18 +9,19 @@ import re
 
 import torch
 
-from ..contracts import BlockIndex, CorrectionPlan, PagedPrefillBatch
+from ..contracts import BLOCK_SIZE, BlockIndex, CorrectionPlan, PagedPrefillBatch
 from ..reference.pooled_e4m3 import PooledE4M3
 from .codes import Status
 from .errors import HopperKernelNotBuiltError, NativeError, NativeLibraryError, UnsupportedConfigurationError
 from .library import load_native_library, native_status
 from .structs import _stream_handle, prefill_args_struct
 
-#: Environment switch of the FP8 pooled products of the Hopper correction ("1" on; off by default until
-#: its device A/B is measured).
+#: Environment switch of the FP8 pooled products of the Hopper correction ("1" on; off by default: measured
+#: no faster than the bf16 ones on the H200, benchmarks/NOTES.md 2026-12-01 fifth session).
 POOLED_E4M3_ENV = "FPV2_HOPPER_POOLED_E4M3"
-#: Page sizes the Hopper kernel loads with TMA (multiples of this); only they serve the E4M3 copies.
-TMA_PAGE_MULTIPLE = 128
+#: KV tokens per tile of the Hopper kernel, the key block of the contracts: it loads pages that are
+#: multiples of it with TMA (other pages by a cp.async gather); only the TMA path serves the E4M3 copies.
+HOPPER_KV_TILE = BLOCK_SIZE
 
 #: Exception class per status code; codes not listed raise :class:`NativeError`.
 _EXCEPTIONS: dict[int, type[Exception]] = {
@@ -164,7 +165,7 @@ def hopper_prefill(
         workspace: optional device scratch memory.
         pooled_e4m3: use the E4M3 pooled copies when a plan is given and the page size is a
             multiple of 128; None reads ``$FPV2_HOPPER_POOLED_E4M3`` ("1" on, anything else
-            or unset off: off by default until the device A/B is measured).
+            or unset off: off by default, measured no faster than the bf16 pooled products).
 
     Returns:
         ``out``.
@@ -213,7 +214,7 @@ def _pooled_e4m3_copies(
     if not pooled_e4m3 or not isinstance(plan, CorrectionPlan):
         return None
     page_size = k_cache.shape[1] if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 else 0
-    if page_size == 0 or page_size % TMA_PAGE_MULTIPLE:
+    if page_size == 0 or page_size % HOPPER_KV_TILE:
         return None  # the gather path (pages not a multiple of 128) reads the bf16 pooled copies
     # Imported here: the binding itself needs no Triton, only this opt-in path does.
     from ..triton.pooled_e4m3 import quantize_pooled_e4m3

@@ -49,7 +49,11 @@ def library_path() -> Path:
     Raises:
         NativeLibraryError: the file does not exist (the message says how to get one).
     """
-    override = os.environ.get(LIBRARY_ENV)
+    return _library_path(os.environ.get(LIBRARY_ENV) or "")
+
+
+def _library_path(override: str) -> Path:
+    """:func:`library_path` for a given value of ``$FPV2_KERNEL_LIBRARY`` ("" when unset)."""
     if override:
         path = Path(override)
         if not path.is_file():
@@ -163,8 +167,7 @@ def load_native_library() -> ctypes.CDLL:
 def _load_from_environment(override: str) -> ctypes.CDLL:
     # Keyed by $FPV2_KERNEL_LIBRARY: the path is resolved and stat'ed once per value, not on every prefill
     # call (a syscall on the host path the GPU waits for). Failures are not cached, so they are re-checked.
-    del override  # the key; library_path() reads the same environment
-    return _load(str(library_path()))
+    return _load(str(_library_path(override)))
 
 
 def native_status() -> tuple[bool, str]:

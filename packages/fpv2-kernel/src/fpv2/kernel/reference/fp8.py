@@ -30,14 +30,32 @@ PROBABILITY_SHIFT = 2.0**8
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _descale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / 448`` in float32, with 1 where amax is 0 (NaN stays NaN, inf stays inf)."""
+def descale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` in float32, with 1 where amax is 0 (NaN stays NaN, inf stays inf).
+
+    The divisor is a tensor: torch divides a CUDA tensor by a Python scalar as a multiplication
+    by its reciprocal, which differs from the IEEE quotient (what the kernels compute) in the last
+    bit for about half of the values.
+
+    Args:
+        amax: absolute maxima, any shape.
+
+    Returns:
+        The descales, float32, same shape.
+    """
     amax = amax.float()
-    return torch.where(amax == 0, torch.ones_like(amax), amax / FP8_E4M3_MAX)
+    return torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_E4M3_MAX))
 
 
-def _to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """Cast scaled values to e4m3 with saturation (clamp keeps NaN)."""
+def saturate_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Cast scaled values to e4m3 with saturation to +-448 (clamp keeps NaN), rounding to nearest even.
+
+    Args:
+        x: values already divided by their descale.
+
+    Returns:
+        ``float8_e4m3fn`` values, same shape.
+    """
     return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -77,8 +95,8 @@ def quantize_queries(q: torch.Tensor, batch: PagedPrefillBatch, num_kv_heads: in
         if q_b.shape[0]:
             # (q_len, Hkv, g * d): the amax of each KV head group over the request's positions.
             amax[b] = q_b.reshape(q_b.shape[0], num_kv_heads, group * q.shape[2]).abs().amax(dim=(0, 2))
-    descale = _descale_from_amax(amax)
-    q_fp8 = _to_fp8(q.float() / _row_group_descale(descale, batch, group))
+    descale = descale_from_amax(amax)
+    q_fp8 = saturate_to_e4m3(q.float() / _row_group_descale(descale, batch, group))
     return q_fp8, descale
 
 
@@ -132,8 +150,8 @@ def quantize_cache(cache: torch.Tensor, batch: PagedPrefillBatch) -> tuple[torch
     """
     check_tensor("cache", cache, dtypes=_FLOAT_DTYPES, ndim=4)
     amax = cache.float().abs().amax(dim=(0, 1, 3)) if cache.numel() else cache.new_zeros(cache.shape[2])
-    per_head = _descale_from_amax(amax)  # (Hkv,)
-    cache_fp8 = _to_fp8(cache.float() / per_head[None, None, :, None])
+    per_head = descale_from_amax(amax)  # (Hkv,)
+    cache_fp8 = saturate_to_e4m3(cache.float() / per_head[None, None, :, None])
     return cache_fp8, per_head[None, :].repeat(batch.num_requests, 1).contiguous()
 
 
@@ -191,4 +209,4 @@ def quantize_probabilities(p: torch.Tensor) -> torch.Tensor:
         TypeError: ``p`` is not a floating tensor.
     """
     check_tensor("p", p, dtypes=_FLOAT_DTYPES)
-    return (_to_fp8(p.float() * PROBABILITY_SHIFT).float() / PROBABILITY_SHIFT).to(p.dtype)
+    return (saturate_to_e4m3(p.float() * PROBABILITY_SHIFT).float() / PROBABILITY_SHIFT).to(p.dtype)

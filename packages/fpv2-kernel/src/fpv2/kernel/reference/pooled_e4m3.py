@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from ..contracts._checks import check_contiguous, check_shape, check_tensor, describe
-from .fp8 import FP8_E4M3_MAX
+from .fp8 import descale_from_amax, saturate_to_e4m3
 
 #: Blocks per slot group: every request's rows start at a multiple of this.
 E4M3_GROUP = 16
@@ -164,12 +164,9 @@ def quantize_pooled_e4m3_reference(
         slots = first + e4m3_slot(torch.arange(n, device=device))
         for which, (src, dst) in enumerate(((pooled_k, "k"), (pooled_v, "vt"))):
             x = src[start:end].float()  # (n, Hkv, d)
-            amax = x.abs().amax(dim=(0, 2))
-            # A tensor divisor: torch divides a CUDA tensor by a Python scalar as a multiplication by
-            # its reciprocal (not the IEEE quotient the kernel computes), which differs in the last bit.
-            scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_E4M3_MAX))
+            scale = descale_from_amax(x.abs().amax(dim=(0, 2)))
             scales[b, :, which] = scale
-            q = (x / scale[None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+            q = saturate_to_e4m3(x / scale[None, :, None])
             if dst == "k":
                 k[first : first + n] = q
             else:
