@@ -135,3 +135,22 @@ def test_fp8_pooled_products_have_their_own_budget(tmp_path: Path) -> None:
     assert "FAIL: prefill_kernel d=128 (overlapped consumers, FP8 pooled products): 112 bytes" in result.stdout
     result = _run(tmp_path, base + _e4m3_entry(64, 4, 32, 32))
     assert result.returncode == 1 and "d=64 (overlapped consumers, FP8 pooled products)" in result.stdout
+
+
+def _persistent_overlap_entry(head_dim: int, stages: int, stack: int, spill: int) -> str:
+    # Persistent CTAs with the overlapped consumers: flags (persistent=1, overlap=1).
+    return _ENTRY.format(
+        head_dim=head_dim, stages=stages, persistent=1, overlap=1, stack=stack, stores=spill, loads=spill
+    )
+
+
+def test_persistent_overlapped_consumers_have_their_own_budget(tmp_path: Path) -> None:
+    # Named apart from the persistent and the overlapped instantiations; the measured 0 / 0 passes, the
+    # 72 B stack of the first build (the next tile passed by pointer) fails.
+    base = _report((8, 4, 4), (8, 12, 12))
+    result = _run(tmp_path, base + _persistent_overlap_entry(128, 2, 0, 0) + _persistent_overlap_entry(64, 4, 0, 0))
+    assert result.returncode == 0, result.stdout
+    assert "d=128 persistent-overlap instantiation (2 stages): 0 B stack, 0 / 0" in result.stdout
+    result = _run(tmp_path, base + _persistent_overlap_entry(128, 2, 72, 40))
+    assert result.returncode == 1
+    assert "FAIL: prefill_kernel d=128 (persistent, overlapped consumers): 72 bytes" in result.stdout

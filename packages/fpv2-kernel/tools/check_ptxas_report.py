@@ -24,9 +24,16 @@ import re
 import sys
 from dataclasses import dataclass
 
-#: Per variant (named from the kernel's bool template arguments: persistent CTAs, overlapped consumers):
+#: Per variant (named from the kernel's bool template arguments: persistent CTAs, overlapped consumers; the
+#: persistent overlapped consumers measured 0 / 0 at both head dims, 2026-12-01, sixth session):
 #: stack bytes, spill bytes, the same for every built head dim (csrc/hopper/prefill_instances.hpp) ...
-VARIANT_BUDGETS = {"default": (16, 8), "persistent": (16, 16), "overlap": (16, 8), "overlap-e4m3": (16, 8)}
+VARIANT_BUDGETS = {
+    "default": (16, 8),
+    "persistent": (16, 16),
+    "persistent-overlap": (16, 16),
+    "overlap": (16, 8),
+    "overlap-e4m3": (16, 8),
+}
 #: ... except where a measured instantiation needs its own. Measured with nvcc 13.0 at producer / consumer
 #: registers 32 / 232 (benchmarks/NOTES.md, 2026-12-01, third session): 0 / 0 everywhere but the d=128
 #: overlapped consumers, 32 B stack and 36 B of spills, all outside the loops (the prologue, the entry of the
@@ -51,6 +58,7 @@ _TRAITS = re.compile(r"PrefillTraitsILi(?P<head_dim>\d+)ELi(?P<stages>\d+)EE")
 _KINDS = {
     "default": "one CTA per tile",
     "persistent": "persistent",
+    "persistent-overlap": "persistent, overlapped consumers",
     "overlap": "overlapped consumers",
     "overlap-e4m3": "overlapped consumers, FP8 pooled products",
 }
@@ -84,7 +92,7 @@ def _variant(name: str) -> str:
     flags = [flag == "1" for flag in _FLAGS.findall(name)]
     persistent, overlap, pooled_e4m3 = [*flags, False, False, False][:3]
     if persistent:
-        return "persistent"
+        return "persistent-overlap" if overlap else "persistent"
     if overlap:
         return "overlap-e4m3" if pooled_e4m3 else "overlap"
     return "default"

@@ -107,9 +107,14 @@ struct ConsumerMainloop {
   // branch in the tile order) made it a call whose output accumulators ptxas put in local memory.
   // kPooledE4M3: the pooled tiles of the correction are the E4M3 copies, multiplied on FP8 tensor cores
   // (pooled_e4m3_operands.hpp); overlapped schedule only (the launcher refuses the other combinations).
+  // Persistent CTAs: `q_issued` says the tile's Q rows were issued by the previous call; with `has_next`,
+  // this call issues the Q rows of the CTA's next tile `next_tile` once its last QK product is done (under
+  // its last PV product in the overlapped schedule), so that their loads overlap this tile's end.
   template <bool kOverlap, bool kPooledE4M3 = false, class Params, class Geometry, class Storage>
   __device__ __forceinline__ static void run(Params const& params, Geometry const& tile, Storage& smem,
-                                             int consumer_thread, typename KvPipeline<Traits::kStages>::State& state) {
+                                             int consumer_thread, typename KvPipeline<Traits::kStages>::State& state,
+                                             bool q_issued = false, bool has_next = false,
+                                             Geometry const& next_tile = Geometry{}) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
     const int wg = consumer_thread / Traits::kThreadsPerWarpGroup;
@@ -144,8 +149,12 @@ struct ConsumerMainloop {
     static_assert(decltype(size<2>(PFragmentLayout{}))::value == decltype(size<2>(tOrV))::value,
                   "P has one A fragment per k-block of the PV product");
 
-    // Q: this warpgroup's 64 packed rows, visible to all its threads before the first wgmma.
-    PackGqaQueryLoader<Traits>::load(sQ, params, tile, wg, thread_in_wg);
+    // Q: this warpgroup's 64 packed rows, visible to all its threads before the first wgmma. The schedule's
+    // global loads are issued before the wait, so that their latency overlaps the Q rows'.
+    if (!q_issued) PackGqaQueryLoader<Traits>::issue(sQ, params, tile, wg, thread_in_wg);
+    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+    const int pooled_base = params.has_correction ? params.pooled_block_offsets[tile.request] : 0;
+    PackGqaQueryLoader<Traits>::wait();
     cutlass::arch::NamedBarrier::sync(Traits::kThreadsPerWarpGroup,
                                       barrier_id(ConsumerBarrier::kQueryReadyWarpGroup1) + wg);
 
@@ -155,12 +164,11 @@ struct ConsumerMainloop {
     const CausalMask<kRows, Traits::kBlockN> mask(tScS_rc, tile, params.group);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
-    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
-    const int pooled_base = params.has_correction ? params.pooled_block_offsets[tile.request] : 0;
     const float log2_to_raw = CorrectionMask<Traits>::log2_to_raw(params);
     // The overlapped consumers (one CTA per tile) on the TMA path leave the table to the producer's idle
     // warps (CorrectionMask::build_by_producer, prefill_kernel.hpp) and wait for it at the first pooled tile.
-    const bool table_by_producer = kOverlap && params.gather == 0;
+    // Persistent CTAs build it here: the producer runs a tile ahead and would overwrite a table in use.
+    const bool table_by_producer = kOverlap && params.gather == 0 && !params.persistent;
     if (schedule.num_correction > 0 && !table_by_producer) {
       // Uniform over the CTA's consumers (the same schedule everywhere), so the barriers inside match. A
       // persistent CTA first waits until both warpgroups are done with the previous tile's table.
@@ -230,8 +238,12 @@ struct ConsumerMainloop {
       ++stage_index;
     };
 
+    auto issue_next_query = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      if (has_next) PackGqaQueryLoader<Traits>::issue(sQ, params, next_tile, wg, thread_in_wg);
+    };
     if constexpr (!kOverlap) {
       walk_schedule_from(schedule, tile, 0, 0, process_tile);
+      issue_next_query();  // every QK product of the tile is done
     } else {
       // V rows of tile n that must be zeroed before its PV product (kBlockN: none), as process_tile does.
       auto valid_value_rows = [&](int n, auto mode) {
@@ -466,8 +478,11 @@ struct ConsumerMainloop {
           for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= from_e4m3_scale;
         } else {
           issue_pending_pv();
+          issue_next_query();  // every QK product of the tile is done; issued under the last PV product
           retire_pending_pv();
         }
+      } else {
+        issue_next_query();
       }
     }
 

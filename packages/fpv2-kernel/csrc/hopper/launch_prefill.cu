@@ -277,16 +277,15 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PINGPONG", 0, &pingpong));
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PERSISTENT", 0, &persistent));
   // Overlapped consumers by default (page 128, B=1: dense 32K -13%, sparse 32K -4% / 128K -10%, corrected
-  // -1% / -3%; 4 x 128K -2 to -4%; NOTES.md). They are their own instantiation, without the pingpong turn
-  // barriers and one CTA per tile: asking for pingpong or persistent CTAs turns the default off, and asking
+  // -1% / -3%; 4 x 128K -2 to -4%; NOTES.md). They are their own instantiations (one CTA per tile, or
+  // persistent), without the pingpong turn barriers: asking for pingpong turns the default off, and asking
   // for both explicitly is refused rather than half-served.
   const char* overlap_setting = std::getenv("FPV2_HOPPER_OVERLAP");
   const bool overlap_explicit = overlap_setting != nullptr && *overlap_setting != '\0';
-  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_OVERLAP", !(pingpong || persistent), &overlap));
-  if (overlap_explicit && overlap && (pingpong || persistent)) {
+  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_OVERLAP", !pingpong, &overlap));
+  if (overlap_explicit && overlap && pingpong) {
     return fail(FPV2_ERROR_INVALID_ARGUMENT,
-                format("environment FPV2_HOPPER_OVERLAP=1 cannot be combined with FPV2_HOPPER_%s=1",
-                       pingpong ? "PINGPONG" : "PERSISTENT"));
+                "environment FPV2_HOPPER_OVERLAP=1 cannot be combined with FPV2_HOPPER_PINGPONG=1");
   }
   if (args.correction != nullptr && fpv2::detail::plan_has_e4m3(*args.correction) && (!overlap || persistent)) {
     return fail(FPV2_ERROR_UNSUPPORTED,

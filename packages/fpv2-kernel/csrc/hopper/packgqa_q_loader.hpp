@@ -13,6 +13,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "hopper/packed_row.hpp"
 #include "hopper/tile_geometry.hpp"
 
 namespace fpv2::hopper {
@@ -27,12 +28,11 @@ struct PackGqaQueryLoader {
   static_assert(Traits::kThreadsPerWarpGroup % kChunksPerRow == 0, "a pass covers whole rows");
   static_assert(Traits::kRowsPerConsumer % kRowsPerPass == 0, "the passes cover the warpgroup's rows");
 
-  // Issue the copies of warpgroup `wg` (thread `t` of 128), wait for them and make them visible to wgmma.
-  // The caller still synchronises the warpgroup before its first wgmma reads the tile.
+  // Issues the copies of warpgroup `wg` (thread `t` of 128) as one cp.async group, without waiting: a
+  // persistent CTA issues the next tile's rows before the current tile's epilogue (consumer_mainloop.hpp).
   template <class SmemQ, class Params, class Geometry>
-  __device__ __forceinline__ static void load(SmemQ& sQ, Params const& params, Geometry const& tile, int wg, int t) {
+  __device__ __forceinline__ static void issue(SmemQ& sQ, Params const& params, Geometry const& tile, int wg, int t) {
     const int chunk = t % kChunksPerRow;
-    const int group = params.group;
     CUTE_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
       const int row = wg * Traits::kRowsPerConsumer + pass * kRowsPerPass + t / kChunksPerRow;
@@ -40,16 +40,19 @@ struct PackGqaQueryLoader {
       const bool inside = packed < tile.num_rows;
       Element const* src = params.q;  // any valid address: a zero-size cp.async reads nothing
       if (inside) {
-        const int position = packed / group;
-        const int head = tile.kv_head * group + packed % group;
-        src = params.q + int64_t(tile.q_start + position) * params.q_token_stride +
-              int64_t(head) * params.q_head_stride + chunk * kElementsPerChunk;
+        src = params.q + PackedRow::at(params, tile, packed).offset(params.q_token_stride, params.q_head_stride) +
+              chunk * kElementsPerChunk;
       }
       Element* dst = &sQ(row, chunk * kElementsPerChunk);
       cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
           *reinterpret_cast<cute::uint128_t const*>(src), *reinterpret_cast<cute::uint128_t*>(dst), inside);
     }
     cute::cp_async_fence();
+  }
+
+  // Waits for the thread's issued rows and makes them visible to wgmma. The caller still synchronises the
+  // warpgroup before its first wgmma reads the tile.
+  __device__ __forceinline__ static void wait() {
     cute::cp_async_wait<0>();
     // cp.async writes through the generic proxy; wgmma reads through the async proxy.
     cutlass::arch::fence_view_async_shared();

@@ -9,9 +9,12 @@
 // K/V reach shared memory by TMA when page_size is a multiple of 128 (kv_producer.hpp, one elected thread),
 // else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
 //
-// Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1, measured slower in dense mode; TMA path only): one CTA per SM
-// walks the tiles in the same order, so the producer fills the next tile's stages while the consumers
-// finish the current one.
+// Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1; TMA path only): one CTA per SM walks the tiles in the
+// snake order of persistent_order.hpp, so the producer fills the next tile's stages (its schedule and page
+// reads included) while the consumers finish the current one, and the consumers issue the next tile's Q
+// rows under the current tile's last PV product. With the overlapped consumers (the default) or without
+// (OVERLAP=0). Measured (2026-12-01, sixth session): -20% on tiles of one kept block, but slower on the
+// random-CSR and dense timings and on the planted pipeline, so it stays off (benchmarks/NOTES.md).
 //
 // Overlapped consumers (the default; FPV2_HOPPER_OVERLAP=0 turns them off; consumer_mainloop.hpp): a third
 // instantiation, one CTA per tile.
@@ -39,6 +42,7 @@
 #include "hopper/kv_gather_warp_producer.hpp"
 #include "hopper/kv_pipeline.hpp"
 #include "hopper/kv_producer.hpp"
+#include "hopper/persistent_order.hpp"
 #include "hopper/shared_storage.hpp"
 #include "hopper/tile_geometry.hpp"
 
@@ -73,11 +77,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // Measured: launch_prefill.cu.
   auto tile_at = [&](int index) {
     if (params.head_major) {
-      const int m_from_last = index % params.num_m_blocks;
-      const int rest = index / params.num_m_blocks;
-      return Geometry::load(rest / params.num_kv_heads, rest % params.num_kv_heads,
-                            params.num_m_blocks - 1 - m_from_last, params.group, params.cu_seqlens_q,
-                            params.seqlens_k);
+      int rest, m_from_last, request, kv_head;
+      params.m_blocks_divmod(rest, m_from_last, index);
+      params.kv_heads_divmod(request, kv_head, rest);
+      return Geometry::load(request, kv_head, params.num_m_blocks - 1 - m_from_last, params.group,
+                            params.cu_seqlens_q, params.seqlens_k);
     }
     // Digits of the index, fastest first: the KV head, then `middle`, then `outer`; the flag (0 or 1) only
     // swaps which of the two is the request.
@@ -90,6 +94,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     return Geometry::load(request, inner % params.num_kv_heads, params.num_m_blocks - 1 - m_from_last, params.group,
                           params.cu_seqlens_q, params.seqlens_k);
   };
+  // Persistent CTAs: the CTA's k-th tile in the snake order of persistent_order.hpp.
+  const int num_tiles = params.num_m_blocks * heads_x_requests;
+  auto tile_index_of = [&](int k) { return persistent_tile_index(k, int(blockIdx.x), int(gridDim.x)); };
   if constexpr (!kPersistent) {
     if (!tile_at(int(blockIdx.x)).valid()) {
       return;  // uniform over the CTA, before any barrier
@@ -148,8 +155,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
     };
     if constexpr (kPersistent) {
-      const int num_tiles = params.num_m_blocks * heads_x_requests;
-      for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) {
+      for (int k = 0; k * int(gridDim.x) < num_tiles; ++k) {
+        const int index = tile_index_of(k);
+        if (index >= num_tiles) continue;
         const Geometry tile = tile_at(index);
         if (tile.valid()) produce(tile);  // uniform over the CTA
       }
@@ -161,10 +169,28 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto state = Pipeline::consumer_start();
     const int consumer_thread = int(threadIdx.x) - Traits::kThreadsPerWarpGroup;
     if constexpr (kPersistent) {
-      const int num_tiles = params.num_m_blocks * heads_x_requests;
-      for (int index = int(blockIdx.x); index < num_tiles; index += int(gridDim.x)) {
-        const Geometry tile = tile_at(index);
-        if (tile.valid()) ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state);
+      // Valid tiles only (uniform over the CTA), each call told the next one so that it issues that tile's Q
+      // rows before its own epilogue.
+      // The first k' >= k whose tile is valid (filled into `tile`), or -1.
+      auto next_valid = [&](int k, Geometry& tile) {
+        for (; k * int(gridDim.x) < num_tiles; ++k) {
+          const int index = tile_index_of(k);
+          if (index >= num_tiles) continue;
+          tile = tile_at(index);
+          if (tile.valid()) return k;
+        }
+        return -1;
+      };
+      Geometry tile, next;
+      bool q_issued = false;
+      for (int k = next_valid(0, tile); k >= 0;) {
+        const int k_next = next_valid(k + 1, next);
+        const bool has_next = k_next >= 0;
+        ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state, q_issued,
+                                                         has_next, next);
+        q_issued = has_next;
+        k = k_next;
+        tile = next;
       }
     } else {
       ConsumerMainloop<Traits>::template run<kOverlap, kPooledE4M3>(params, tile_at(int(blockIdx.x)), smem,

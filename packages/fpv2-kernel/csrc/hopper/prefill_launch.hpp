@@ -163,11 +163,14 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       plan.e4m3_scales,
       plan.pooled_half_exp,
       plan.head_major,
+      cutlass::FastDivmod(plan.group),
+      cutlass::FastDivmod(static_cast<int>(num_m_blocks)),
+      cutlass::FastDivmod(plan.num_kv_heads),
   };
 
   // The launcher sends the E4M3 copies only with the overlapped consumers (launch_prefill.cu).
   auto kernel = pooled_e4m3    ? prefill_kernel<Traits, false, true, true>
-                : persistent   ? prefill_kernel<Traits, true, false>
+                : persistent   ? (plan.overlap ? prefill_kernel<Traits, true, true> : prefill_kernel<Traits, true, false>)
                 : plan.overlap ? prefill_kernel<Traits, false, true>
                                : prefill_kernel<Traits, false, false>;
   const int smem_bytes = static_cast<int>(prefill_smem_bytes<Traits>());

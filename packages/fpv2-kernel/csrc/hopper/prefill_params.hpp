@@ -13,6 +13,7 @@
 
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/fast_math.h>
 
 namespace fpv2::hopper {
 
@@ -130,6 +131,12 @@ struct PrefillParams {
   // FPV2_HOPPER_HEAD_MAJOR (default 1): tile order request, KV head, query tile (fastest), overriding
   // request_major; see prefill_kernel.hpp.
   int32_t head_major;
+
+  // The hot integer divisions, precomputed by the launcher: by group (PackGQA rows: packed_row.hpp), by
+  // num_m_blocks and by num_kv_heads (the head-major tile order).
+  cutlass::FastDivmod group_divmod;
+  cutlass::FastDivmod m_blocks_divmod;
+  cutlass::FastDivmod kv_heads_divmod;
 };
 
 }  // namespace fpv2::hopper

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <random>
+#include <vector>
 
 #include <cute/tensor.hpp>
 
@@ -32,6 +33,7 @@
 #include "hopper/prefill_instances.hpp"
 #include "hopper/shared_copy.hpp"
 #include "hopper/shared_storage.hpp"
+#include "hopper/persistent_order.hpp"
 #include "hopper/tile_geometry.hpp"
 
 using namespace cute;
@@ -323,6 +325,35 @@ void check_geometry() {
   std::printf("geometry: %d tiles checked\n", tiles);
 }
 
+// The persistent CTAs' snake order: every tile exactly once over all CTAs and waves, and, for tiles of
+// decreasing work (tile i costs num_tiles - i), per-CTA sums within 2 x ctas of each other: a pair of waves
+// gives every CTA the same sum, only an unpaired last wave differs. A plain stride k * ctas + cta covers the
+// tiles too but spreads by (ctas - 1) per wave (32520 at 32768 tiles on 132 CTAs; the snake: 32).
+void check_persistent_order() {
+  const int cases[][2] = {{1, 132}, {131, 132}, {132, 132}, {133, 132}, {397, 132}, {8192, 132}, {32768, 132},
+                          {1000, 7}, {5, 1}};
+  for (const auto& c : cases) {
+    const int num_tiles = c[0], ctas = c[1];
+    std::vector<int> seen(num_tiles, 0);
+    std::vector<long> work(ctas, 0);
+    for (int cta = 0; cta < ctas; ++cta) {
+      for (int k = 0; k * ctas < num_tiles; ++k) {
+        const int index = fpv2::hopper::persistent_tile_index(k, cta, ctas);
+        expect(index >= k * ctas && index < (k + 1) * ctas, "tile index inside its wave: tiles, ctas, k", num_tiles,
+               ctas, k);
+        if (index >= num_tiles) continue;
+        ++seen[index];
+        work[cta] += num_tiles - index;
+      }
+    }
+    for (int i = 0; i < num_tiles; ++i) {
+      expect(seen[i] == 1, "every tile exactly once: tiles, ctas, tile", num_tiles, ctas, i);
+    }
+    const long spread = *std::max_element(work.begin(), work.end()) - *std::min_element(work.begin(), work.end());
+    expect(spread <= 2L * ctas, "per-CTA work within 2 x ctas: tiles, ctas, spread", num_tiles, ctas, spread);
+  }
+}
+
 using Check = void (*)();
 struct NamedCheck {
   const char* name;
@@ -377,7 +408,8 @@ int main() {
   for (int d : fpv2::hopper::kPrefillHeadDims) failed += check_built_head_dim(d);
   // The tile geometry does not depend on the head dim.
   using AnyTraits = fpv2::hopper::PrefillTraitsFor<fpv2::hopper::kPrefillHeadDims[0]>;
-  failed += run_checks("--- tile geometry", {{"tile geometry vs brute force", check_geometry<AnyTraits>}});
+  failed += run_checks("--- tile geometry", {{"tile geometry vs brute force", check_geometry<AnyTraits>},
+                                             {"persistent tile order", check_persistent_order}});
   std::printf("layout check: %s (%d failed check(s))\n", failed ? "FAIL" : "PASS", failed);
   return failed ? 1 : 0;
 }
