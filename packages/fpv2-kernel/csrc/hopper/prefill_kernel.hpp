@@ -169,9 +169,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto state = Pipeline::consumer_start();
     const int consumer_thread = int(threadIdx.x) - Traits::kThreadsPerWarpGroup;
     if constexpr (kPersistent) {
-      // Valid tiles only (uniform over the CTA), each call told the next one so that it issues that tile's Q
-      // rows before its own epilogue.
-      // The first k' >= k whose tile is valid (filled into `tile`), or -1.
+      // Valid tiles only (uniform over the CTA); each call is told the next one, so that it issues that tile's
+      // Q rows under its last PV product. next_valid: the first k' >= k whose tile is valid (into `tile`), or -1.
       auto next_valid = [&](int k, Geometry& tile) {
         for (; k * int(gridDim.x) < num_tiles; ++k) {
           const int index = tile_index_of(k);
