@@ -11,13 +11,43 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from fpv2.kernel import BlockIndex, PagedPrefillBatch
+
+#: The public header's include root in this source tree (``fpv2/fpv2.h`` below it).
+HEADER_INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"
+
+#: Compilers and their strict flags for programs that include the public header.
+C_COMPILERS: dict[str, list[str]] = {
+    "cc": ["-std=c99", "-pedantic", "-Wall", "-Werror"],
+    "c++": ["-x", "c++", "-std=c++17", "-Wall"],
+}
+
+
+@pytest.fixture
+def run_against_header(tmp_path: Path) -> Callable[[str, str], str]:
+    """``run(source, compiler="cc")``: compile a program against the in-tree ``fpv2.h`` and return its stdout.
+
+    The compiler must be on PATH (callers skip otherwise); a failed compile or a non-zero exit raises.
+    """
+
+    def run(source: str, compiler: str = "cc") -> str:
+        stem = f"program_{compiler.replace('+', 'p')}"
+        path = tmp_path / f"{stem}.c"
+        path.write_text(source)
+        exe = tmp_path / stem
+        command = [compiler, *C_COMPILERS[compiler], f"-I{HEADER_INCLUDE_DIR}", str(path), "-o", str(exe)]
+        subprocess.run(command, check=True)
+        return subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+
+    return run
 
 
 # --------------------------------------------------------------------------- markers
