@@ -129,3 +129,26 @@ def test_triton_backend_matches_reference_backend_under_the_interpreter():
     assert ref.index.density(w.batch) < 1.0
     err = (tri.out.float() - ref.out.float()).norm() / ref.out.float().norm()
     assert float(err) < 2e-3
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_triton_pooling_writes_the_bf16_copies_only_for_the_correction(monkeypatch, correction):
+    # The Triton pooling runs on CUDA inputs; under the interpreter it is made to run on the CPU here.
+    pytest.importorskip("triton")
+    from fpv2.index.triton import interpreter_enabled
+    from fpv2.index.triton.prepared_keys import TritonBlockStatistics
+
+    if not interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 to run the Triton pooling on the CPU")
+    monkeypatch.setattr("fpv2.serving.pipeline.use_triton_index", lambda q: True)
+    wl = planted_workload([300], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    pipe = SparsePrefillPipeline(SPARSE, correction=correction, backend="reference")
+    result = pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    stats = result.statistics
+    assert isinstance(stats, TritonBlockStatistics)
+    if correction:
+        k, v = stats.pooled_in(torch.bfloat16)
+        assert torch.equal(k.view(torch.int16), stats.pooled_k.to(torch.bfloat16).view(torch.int16))
+        assert torch.equal(v.view(torch.int16), stats.pooled_v.to(torch.bfloat16).view(torch.int16))
+    else:
+        assert stats.pooled_copies is None

@@ -158,6 +158,7 @@ class SparsePrefillPipeline:
                 block_size=self.config.block_size,
                 k_descale=k_descale,
                 v_descale=v_descale,
+                bf16_copies=self.correction,
             )
         index = build_block_index(
             q,
@@ -218,10 +219,24 @@ def is_builtin_strategy(strategy: str) -> bool:
     return type(get_strategy(strategy)).__module__.startswith("fpv2.index.")
 
 
-def _pool_statistics(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch, **kw):
-    """Pooled K/V: the Triton kernel where the Triton index runs, the reference elsewhere."""
+def _pool_statistics(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    *,
+    bf16_copies: bool = False,
+    **kw,
+):
+    """Pooled K/V: the Triton kernel where the Triton index runs, the reference elsewhere.
+
+    With ``bf16_copies`` (the correction is on) the Triton kernel also writes bf16 copies of the
+    pooled K/V, which the Hopper kernel's binding hands over instead of converting the fp32 means
+    itself (two conversion kernels and their host time per call); the reference makes none.
+    """
     if use_triton_index(q):
         from fpv2.index.triton import pool_blocks_triton  # imports triton: only on the fast path
 
-        return pool_blocks_triton(k_cache, v_cache, batch, **kw)
+        copy_dtype = torch.bfloat16 if bf16_copies else None
+        return pool_blocks_triton(k_cache, v_cache, batch, pooled_copy_dtype=copy_dtype, **kw)
     return compute_block_statistics(k_cache, v_cache, batch, **kw)

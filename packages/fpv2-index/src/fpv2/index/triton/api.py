@@ -51,6 +51,7 @@ from .outputs import fresh_outputs
 from .pooling import launch_pool
 from .prepared_keys import (
     DOT_DTYPES,
+    PooledCopies,
     PreparedKeys,
     TritonBlockStatistics,
     dot_kind,
@@ -133,6 +134,7 @@ def pool_blocks_triton(
     v_descale: torch.Tensor | None = None,
     query_dtype: torch.dtype | None = None,
     softmax_scale: float | None = None,
+    pooled_copy_dtype: torch.dtype | None = None,
 ) -> TritonBlockStatistics:
     """Mean-pool every key block (and value block) of every request, straight from the paged cache.
 
@@ -147,6 +149,11 @@ def pool_blocks_triton(
     ``softmax_scale`` and queries of ``query_dtype``; a selection with other
     values prepares its own keys (same index either way).
 
+    With ``pooled_copy_dtype=torch.bfloat16`` the same launch also writes bf16 copies of
+    ``pooled_k`` and ``pooled_v`` (:class:`~.prepared_keys.PooledCopies`: the stored fp32
+    means rounded to nearest even, what ``.to(torch.bfloat16)`` makes of them), which the
+    Hopper kernel's binding then hands over instead of converting the means on every call.
+
     Args:
         k_cache: ``(num_pages, page_size, Hkv, d)`` key cache (fp16, bf16, fp32 or float8_e4m3fn).
         v_cache: value cache of the same shape and dtype, or None to pool keys only.
@@ -156,14 +163,17 @@ def pool_blocks_triton(
         v_descale: ``(B, Hkv) float32`` value descales, required for an FP8 ``v_cache``.
         query_dtype: dtype of the queries the selection will score (None: the cache's dtype).
         softmax_scale: the selection's ``SelectionConfig.softmax_scale`` (None: ``1 / sqrt(d)``).
+        pooled_copy_dtype: ``torch.bfloat16`` to also write bf16 copies of the pooled K and V; None
+            (the default) for none.
 
     Returns:
         :class:`~.prepared_keys.TritonBlockStatistics` (a :class:`~fpv2.kernel.BlockStatistics`) with
         ``pooled_k`` (and ``pooled_v``) of shape ``(total_blocks, Hkv, d) float32``, ``block_lengths``,
-        ``block_offsets``, ``block_size`` and the scoring copy in ``prepared_keys``.
+        ``block_offsets``, ``block_size``, the scoring copy in ``prepared_keys`` and the bf16 copies, if
+        asked for, in ``pooled_copies``.
 
     Raises:
-        TypeError: an argument has the wrong type or dtype.
+        TypeError: an argument has the wrong type or dtype (``pooled_copy_dtype`` other than bf16 or None).
         ValueError: shapes, devices or strides disagree with the batch; the message names the argument.
     """
     batch = _check_batch(batch)
@@ -190,10 +200,13 @@ def pool_blocks_triton(
         isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
     ):
         raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    if pooled_copy_dtype is not None and pooled_copy_dtype != torch.bfloat16:
+        raise TypeError(f"pooled_copy_dtype must be torch.bfloat16 or None, got {pooled_copy_dtype!r}")
+    copies = pooled_copy_dtype is not None
     kind = dot_kind(query_dtype, interpreter_enabled())
     key_scale = logit_scale_log2(softmax_scale, k_cache.shape[3])
     total = sum(num_key_blocks(k, block_size) for k in batch.host.seqlens_k)
-    pooled_k, pooled_v, keys, lengths, block_offsets = launch_pool(
+    pooled_k, pooled_v, keys, k_copy, v_copy, lengths, block_offsets = launch_pool(
         k_cache,
         v_cache,
         seqlens_k=batch.seqlens_k,
@@ -205,9 +218,13 @@ def pool_blocks_triton(
         v_descale=v_descale if v_cache is not None else None,
         key_dtype=DOT_DTYPES[kind],
         key_scale=key_scale,
+        copies=copies,
     )
     prepared = PreparedKeys(keys, pooled_k, pooled_k._version, key_scale, kind)
-    return TritonBlockStatistics(pooled_k, pooled_v, lengths, block_offsets, block_size, prepared_keys=prepared)
+    pooled_copies = PooledCopies.of(k_copy, v_copy, pooled_k, pooled_v) if copies else None
+    return TritonBlockStatistics(
+        pooled_k, pooled_v, lengths, block_offsets, block_size, prepared_keys=prepared, pooled_copies=pooled_copies
+    )
 
 
 def _check_selection(

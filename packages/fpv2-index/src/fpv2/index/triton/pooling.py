@@ -13,7 +13,12 @@ With ``HAS_KEYS`` the kernel also writes the scoring copy of the pooled keys
 (:mod:`.prepared_keys`): the stored fp32 mean times ``key_scale``, cast to the
 keys' dtype, which is what the separate preparation kernel computes from the
 stored mean (same product, same rounding), so the selection needs no launch of
-its own for it. All outputs of a call come from one allocation (:mod:`.outputs`).
+its own for it. With ``HAS_COPIES`` it also writes bf16 copies of the pooled K
+and V (the operands of the Hopper kernel's correction, which would otherwise
+convert the fp32 means itself on every call): the stored fp32 means rounded to
+nearest even, bit for bit what ``torch.Tensor.to(torch.bfloat16)`` makes of
+them (:func:`_bf16_rne`). All outputs of a call come from one allocation
+(:mod:`.outputs`).
 """
 
 from __future__ import annotations
@@ -29,12 +34,29 @@ from .tuning import next_power_of_2
 
 
 @triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, in integer operations (the same bits on the GPU and the interpreter).
+
+    The interpreter's own cast truncates; this is torch's rounding (``c10::BFloat16``'s
+    ``round_to_nearest_even``, ``cvt.rn.bf16.f32`` on the GPU): infinities stay infinite,
+    values rounding past the largest finite bf16 become infinite, NaN becomes the GPU's
+    canonical NaN ``0x7FFF`` (the CPU's conversion writes ``0x7FC0``: another NaN).
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FFF, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _pool_kernel(
     k_ptr,
     v_ptr,
     pooled_k_ptr,
     pooled_v_ptr,
     keys_ptr,
+    k_copy_ptr,
+    v_copy_ptr,
     lengths_ptr,
     block_offsets_ptr,
     seqlens_k_ptr,
@@ -62,6 +84,7 @@ def _pool_kernel(
     HAS_K_DESCALE: tl.constexpr,
     HAS_V_DESCALE: tl.constexpr,
     HAS_KEYS: tl.constexpr,
+    HAS_COPIES: tl.constexpr,
 ):
     row = tl.program_id(0)  # global block row (block_offsets[b] + J)
     group = tl.program_id(1)  # heads group * HEADS .. group * HEADS + HEADS - 1
@@ -117,11 +140,16 @@ def _pool_kernel(
     tl.store(pooled_k_ptr + out, mean_k, mask=col_ok)
     if HAS_KEYS:  # the scoring copy: (stored mean * scale) in the keys' dtype, as the preparation kernel makes it
         tl.store(keys_ptr + out, (mean_k * key_scale).to(keys_ptr.dtype.element_ty), mask=col_ok)
+    if HAS_COPIES:  # the bf16 copy of the very fp32 value stored above
+        tl.store(k_copy_ptr + out, _bf16_rne(mean_k), mask=col_ok)
     if HAS_V:
         v_scale = inv_len
         if HAS_V_DESCALE:
             v_scale = inv_len * tl.load(v_descale_ptr + b * num_kv_heads + heads, mask=col_ok, other=0.0)
-        tl.store(pooled_v_ptr + out, acc_v * v_scale, mask=col_ok)
+        mean_v = acc_v * v_scale
+        tl.store(pooled_v_ptr + out, mean_v, mask=col_ok)
+        if HAS_COPIES:
+            tl.store(v_copy_ptr + out, _bf16_rne(mean_v), mask=col_ok)
     tl.store(lengths_ptr + row, length, mask=group == 0)
 
 
@@ -142,7 +170,16 @@ def launch_pool(
     v_descale: torch.Tensor | None,
     key_dtype: torch.dtype | None = None,
     key_scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    copies: bool = False,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor,
+    torch.Tensor,
+]:
     """Run the pooling kernel over every block of the batch (inputs checked by the caller).
 
     Args:
@@ -157,31 +194,37 @@ def launch_pool(
         v_descale: ``(B, Hkv) float32`` contiguous or None.
         key_dtype: dtype of the scoring copy of the pooled keys, or None for no copy.
         key_scale: factor of the scoring copy (:func:`.prepared_keys.logit_scale_log2`).
+        copies: also write bf16 copies of the pooled K (and V) (:func:`_bf16_rne` of the stored means).
 
     Returns:
-        ``(pooled_k, pooled_v or None, keys or None, block_lengths, block_offsets)``: ``(total_blocks, Hkv, d)
-        float32`` pooled vectors, the ``(total_blocks, Hkv, d)`` scoring copy in ``key_dtype``,
-        ``(total_blocks,) int32`` valid tokens per block and ``(B+1,) int32`` cumulative blocks per request;
-        fresh tensors sharing one allocation.
+        ``(pooled_k, pooled_v or None, keys or None, k_copy or None, v_copy or None, block_lengths,
+        block_offsets)``: ``(total_blocks, Hkv, d) float32`` pooled vectors, the ``(total_blocks, Hkv, d)``
+        scoring copy in ``key_dtype``, the ``(total_blocks, Hkv, d) bfloat16`` copies of the pooled K and V
+        (``v_copy`` only with ``v_cache``), ``(total_blocks,) int32`` valid tokens per block and ``(B+1,) int32``
+        cumulative blocks per request; fresh tensors sharing one allocation.
     """
     _, _, num_kv_heads, head_dim = k_cache.shape
     device = k_cache.device
     num_requests = seqlens_k.numel()
     shape = (total_blocks, num_kv_heads, head_dim)
-    parts = [(shape, torch.float32)]
-    if v_cache is not None:
-        parts.append((shape, torch.float32))
-    if key_dtype is not None:
-        parts.append((shape, key_dtype))
-    parts += [((total_blocks,), torch.int32), ((num_requests + 1,), torch.int32)]
-    outs = fresh_outputs(device, parts)
-    pooled_k = outs[0]
-    pooled_v = outs[1] if v_cache is not None else None
-    keys = outs[-3] if key_dtype is not None else None
-    lengths, block_offsets = outs[-2], outs[-1]
+    has_v = v_cache is not None
+    # Optional parts are None slots: one list of (shape, dtype) or None, carved in one allocation.
+    wanted = [
+        (shape, torch.float32),
+        (shape, torch.float32) if has_v else None,
+        (shape, key_dtype) if key_dtype is not None else None,
+        (shape, torch.bfloat16) if copies else None,
+        (shape, torch.bfloat16) if copies and has_v else None,
+        ((total_blocks,), torch.int32),
+        ((num_requests + 1,), torch.int32),
+    ]
+    carved = iter(fresh_outputs(device, [part for part in wanted if part is not None]))
+    pooled_k, pooled_v, keys, k_copy, v_copy, lengths, block_offsets = (
+        next(carved) if part is not None else None for part in wanted
+    )
     if total_blocks == 0 or num_kv_heads == 0:
         block_offsets.zero_()
-        return pooled_k, pooled_v, keys, lengths, block_offsets
+        return pooled_k, pooled_v, keys, k_copy, v_copy, lengths, block_offsets
     knobs = tuning.POOL
     v_arg = v_cache if v_cache is not None else k_cache
     heads = knobs.heads_for(num_kv_heads, next_power_of_2(head_dim))
@@ -192,6 +235,8 @@ def launch_pool(
         pooled_k,
         pooled_v if pooled_v is not None else pooled_k,
         keys if keys is not None else pooled_k,
+        k_copy if k_copy is not None else pooled_k,
+        v_copy if v_copy is not None else pooled_k,
         lengths,
         block_offsets,
         seqlens_k,
@@ -219,6 +264,7 @@ def launch_pool(
         HAS_K_DESCALE=k_descale is not None,
         HAS_V_DESCALE=v_descale is not None,
         HAS_KEYS=keys is not None,
+        HAS_COPIES=copies,
         num_warps=knobs.num_warps,
     )
-    return pooled_k, pooled_v, keys, lengths, block_offsets
+    return pooled_k, pooled_v, keys, k_copy, v_copy, lengths, block_offsets

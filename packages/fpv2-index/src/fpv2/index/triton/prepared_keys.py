@@ -15,6 +15,13 @@ tensor object, unmodified since pooling (its autograd version counter, which
 every in-place torch operation bumps). Writes into ``pooled_k`` that bypass
 torch (a custom kernel through its pointer) are not seen: rebuild the
 statistics as a plain :class:`~fpv2.kernel.BlockStatistics` after such writes.
+
+Asked for (``pooled_copy_dtype=torch.bfloat16``), the pooling kernel also writes
+bf16 copies of ``pooled_k`` and ``pooled_v`` (:class:`PooledCopies`), the operands
+of the Hopper kernel's correction: its binding takes them from
+:meth:`TritonBlockStatistics.pooled_in` (looked up by name: ``fpv2.kernel`` does
+not import this package) instead of converting the fp32 means on every call,
+under the same guard (same tensors, unmodified since pooling).
 """
 
 from __future__ import annotations
@@ -103,17 +110,93 @@ class PreparedKeys:
 
 
 @dataclass(frozen=True, eq=False)
+class PooledCopies:
+    """Copies of the pooled K and V in another dtype, written by the pooling kernel, and what they were made from.
+
+    Attributes:
+        k: ``(total_blocks, Hkv, d)`` contiguous copy of ``source_k``.
+        v: the copy of ``source_v``, or None (keys pooled alone).
+        source_k: the ``pooled_k`` tensor they were written from.
+        source_v: the ``pooled_v`` tensor, or None.
+        k_version: ``source_k._version`` when they were written.
+        v_version: ``source_v._version`` then, or None.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor | None
+    source_k: torch.Tensor
+    source_v: torch.Tensor | None
+    k_version: int
+    v_version: int | None
+
+    @classmethod
+    def of(
+        cls, k: torch.Tensor, v: torch.Tensor | None, source_k: torch.Tensor, source_v: torch.Tensor | None
+    ) -> PooledCopies:
+        """The copies ``k``, ``v`` of ``source_k``, ``source_v`` as they are now (their versions recorded).
+
+        Args:
+            k: the copy of ``source_k``.
+            v: the copy of ``source_v``, or None.
+            source_k: pooled keys.
+            source_v: pooled values, or None.
+
+        Returns:
+            The record.
+        """
+        return cls(k, v, source_k, source_v, source_k._version, source_v._version if source_v is not None else None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The copies' dtype."""
+        return self.k.dtype
+
+    def matches(self, pooled_k: torch.Tensor, pooled_v: torch.Tensor | None) -> bool:
+        """Whether these still copy ``pooled_k`` and ``pooled_v``: the same tensors, unmodified since.
+
+        Args:
+            pooled_k: the statistics' pooled keys now.
+            pooled_v: the statistics' pooled values now (None matches a record without values).
+
+        Returns:
+            True when both are the recorded tensors at their recorded versions.
+        """
+        if self.source_k is not pooled_k or pooled_k._version != self.k_version or self.source_v is not pooled_v:
+            return False
+        return pooled_v is None or pooled_v._version == self.v_version
+
+
+@dataclass(frozen=True, eq=False)
 class TritonBlockStatistics(BlockStatistics):
     """:class:`~fpv2.kernel.BlockStatistics` from the Triton pooling kernel, carrying its prepared keys.
 
     A plain ``BlockStatistics`` everywhere else; :func:`~fpv2.index.triton.select_blocks_triton`
-    uses :attr:`prepared_keys` when they match its scale and dot dtype (:meth:`PreparedKeys.matches`).
+    uses :attr:`prepared_keys` when they match its scale and dot dtype (:meth:`PreparedKeys.matches`),
+    the Hopper binding :meth:`pooled_in` when it hands the pooled K/V over in bf16.
 
     Attributes:
         prepared_keys: the scoring copy of ``pooled_k``, or None.
+        pooled_copies: the kernel's copies of ``pooled_k`` and ``pooled_v`` in another dtype, or None.
     """
 
     prepared_keys: PreparedKeys | None = None
+    pooled_copies: PooledCopies | None = None
+
+    def pooled_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(pooled_k, pooled_v)`` in ``dtype`` from the pooling kernel's copies, while they are current.
+
+        Args:
+            dtype: the dtype wanted.
+
+        Returns:
+            The copies (``pooled_v``'s is None when the values were not pooled), or None when there are
+            none in ``dtype`` or ``pooled_k`` / ``pooled_v`` were modified or replaced since pooling
+            (:meth:`PooledCopies.matches`): the caller converts them itself then.
+        """
+        copies = self.pooled_copies
+        if copies is None or copies.dtype != dtype or not copies.matches(self.pooled_k, self.pooled_v):
+            return None
+        return copies.k, copies.v
 
 
 def matching_keys(statistics: BlockStatistics, scale_log2: float, kind: int) -> torch.Tensor | None:

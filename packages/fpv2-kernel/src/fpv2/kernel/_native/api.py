@@ -140,7 +140,9 @@ def hopper_prefill(
     devices; anything else is refused with :class:`UnsupportedConfigurationError`
     and a message naming the argument (for a head dim without an instantiation,
     the head dim and the built ones; nothing is launched). The plan's float32 pooled K/V are handed over as a
-    bf16 copy (the kernel loads them with TMA). A library built without the
+    bf16 copy (the kernel loads them with TMA): the statistics' own copies when they carry current ones (the
+    Triton pooling writes them when asked, as the serving pipeline does with the correction on), else a
+    conversion made here on every call. A library built without the
     kernel reports ``FPV2_ERROR_NOT_BUILT``, raised as
     :class:`HopperKernelNotBuiltError`.
 

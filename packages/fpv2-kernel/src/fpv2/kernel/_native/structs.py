@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from ..contracts import BlockIndex, CorrectionPlan, PagedPrefillBatch
+from ..contracts import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch
 from ..reference.pooled_e4m3 import PooledE4M3
 from .codes import MAX_NDIM, PREFILL_CAUSAL, DType
 
@@ -265,8 +265,9 @@ def correction_plan_struct(
         plan: the plan (its ``statistics`` supply the pooled tensors and block size).
         pooled_dtype: hand the pooled K/V over in this dtype (``torch.bfloat16`` for the
             Hopper kernel, which loads them with TMA); None passes them as they are
-            (float32). A converted copy is made on the tensors' stream and kept alive.
-            Ignored when ``pooled_e4m3`` is given.
+            (float32). The statistics' own copies are used when they have them
+            (:func:`_pooled_as`), else a converted copy is made on the tensors' stream;
+            either is kept alive. Ignored when ``pooled_e4m3`` is given.
         pooled_e4m3: E4M3 copies of the plan's pooled K/V (from
             :func:`fpv2.kernel.triton.pooled_e4m3.quantize_pooled_e4m3`) for the Hopper
             kernel's FP8 correction; the plan's float32 pooled K/V are then passed as they
@@ -286,8 +287,7 @@ def correction_plan_struct(
     stats = plan.statistics
     pooled_k, pooled_v = stats.pooled_k, stats.pooled_v
     if pooled_dtype is not None and pooled_e4m3 is None:
-        pooled_k = pooled_k.to(pooled_dtype)
-        pooled_v = pooled_v.to(pooled_dtype) if pooled_v is not None else None
+        pooled_k, pooled_v = _pooled_as(stats, pooled_dtype)
     e4m3 = (
         (pooled_e4m3.k, pooled_e4m3.vt, pooled_e4m3.offsets, pooled_e4m3.scales)
         if pooled_e4m3 is not None
@@ -310,6 +310,42 @@ def correction_plan_struct(
     )
     _keep_alive(struct, [plan, pooled_k, pooled_v, pooled_e4m3])
     return struct
+
+
+def _pooled_as(stats: BlockStatistics, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The statistics' pooled K/V in ``dtype``: their own current copies when they carry them, else converted.
+
+    Statistics that carry copies (``fpv2.index``'s Triton pooling kernel writes bf16 ones next to
+    the fp32 means, same bits as ``.to(torch.bfloat16)``) offer them through a ``pooled_in(dtype)``
+    method, looked up by name (this package does not import ``fpv2.index``); it returns None once the
+    copies no longer describe ``pooled_k`` / ``pooled_v`` (modified in place since pooling). Copies of
+    another dtype, shape or device than the means' are not used.
+
+    Args:
+        stats: the plan's statistics.
+        dtype: the dtype wanted.
+
+    Returns:
+        ``(pooled_k, pooled_v)`` in ``dtype`` (``pooled_v`` None when the statistics have none).
+    """
+    pooled_k, pooled_v = stats.pooled_k, stats.pooled_v
+    pooled_in = getattr(stats, "pooled_in", None)
+    copies = pooled_in(dtype) if pooled_in is not None else None
+    if copies is not None:
+        k, v = copies
+        device = pooled_k.device
+        if (
+            k.dtype == dtype
+            and k.shape == pooled_k.shape
+            and k.device == device
+            and (
+                pooled_v is None
+                or (v is not None and v.dtype == dtype and v.shape == pooled_v.shape and v.device == device)
+            )
+        ):
+            return k, v if pooled_v is not None else None
+    # Two conversion kernels (and their host time) on every call: what the copies spare.
+    return pooled_k.to(dtype), pooled_v.to(dtype) if pooled_v is not None else None
 
 
 def _stream_handle(stream: object, q: torch.Tensor) -> int | None:
