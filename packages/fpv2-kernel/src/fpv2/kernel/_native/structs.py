@@ -200,6 +200,9 @@ def tensor_desc(t: torch.Tensor | None, name: str = "tensor") -> TensorDesc:
 def paged_batch_struct(batch: PagedPrefillBatch) -> PagedBatchStruct:
     """Build ``fpv2_paged_batch_t`` from a batch (reads its small host lengths once, cached).
 
+    The fields are built once per batch (the batch is immutable) and kept on it as bytes; each
+    call returns a new struct made from them that keeps ``batch`` alive (:func:`_cached_batch_fields`).
+
     Args:
         batch: the batch metadata.
 
@@ -211,7 +214,31 @@ def paged_batch_struct(batch: PagedPrefillBatch) -> PagedBatchStruct:
     """
     if not isinstance(batch, PagedPrefillBatch):
         raise TypeError(f"batch must be a PagedPrefillBatch, got {type(batch).__name__}")
-    struct = PagedBatchStruct(
+    struct = PagedBatchStruct.from_buffer_copy(_cached_batch_fields(batch))
+    _keep_alive(struct, [batch])
+    return struct
+
+
+#: Key of the cached fields in a batch's instance dict (frozen dataclasses allow such entries, as ``host``).
+_BATCH_FIELDS_KEY = "_fpv2_abi_batch_fields"
+
+
+def _cached_batch_fields(batch: PagedPrefillBatch) -> bytes:
+    """The bytes of the batch's struct, built on first use and cached on the batch (~30 us per build on the host path).
+
+    Plain bytes: the cache holds no reference to anything, so it makes no reference cycle
+    with the batch (which is freed as soon as its last user lets go, not at a later garbage
+    collection) and copies and pickles with it like ``host``. Its raw pointers are only ever
+    used through a struct that keeps the batch alive (:func:`paged_batch_struct`), so they never
+    outlive the tensors they point into. The batch's tensors are never replaced (frozen); the
+    bytes are rebuilt when the tensors' data pointers differ from theirs all the same (a copied
+    batch, ``Tensor.set_``).
+    """
+    pointers = (batch.cu_seqlens_q.data_ptr(), batch.seqlens_k.data_ptr(), batch.page_table.data_ptr())
+    cached = batch.__dict__.get(_BATCH_FIELDS_KEY)
+    if cached is not None and cached[0] == pointers:
+        return cached[1]
+    fields = PagedBatchStruct(
         struct_size=ctypes.sizeof(PagedBatchStruct),
         num_requests=_int32("batch.num_requests", batch.num_requests),
         cu_seqlens_q=tensor_desc(batch.cu_seqlens_q, "batch.cu_seqlens_q"),
@@ -223,8 +250,9 @@ def paged_batch_struct(batch: PagedPrefillBatch) -> PagedBatchStruct:
         max_seqlen_q=_int32("batch.max_seqlen_q", batch.max_seqlen_q),
         max_seqlen_k=_int32("batch.max_seqlen_k", batch.max_seqlen_k),
     )
-    _keep_alive(struct, [batch])
-    return struct
+    raw = bytes(fields)
+    batch.__dict__[_BATCH_FIELDS_KEY] = (pointers, raw)
+    return raw
 
 
 def block_index_struct(index: BlockIndex) -> BlockIndexStruct:
