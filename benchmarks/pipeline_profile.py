@@ -62,6 +62,13 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
             pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
         torch.cuda.synchronize()
         key = "corrected" if correction else "uncorrected"
+        if args.host_breakdown:
+            rows = host_breakdown(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch), args.repeats)  # noqa: B023
+            record[key] = {"host_breakdown_us": rows}
+            print(f"\n== L={seqlen} B={args.batch} page {args.page_size} {key}: host time per call (median us, calls)")
+            for name, us, n in rows:
+                print(f"    {name:60s} {us:8.1f}  x{n:g}")
+            continue
         if args.marks_only:  # no profiler in this process: its launch hooks would slow every Triton launch
             record[key] = {}
             for spin in (False, True):
@@ -177,8 +184,101 @@ def host_marks(call, repeats: int, spin: bool = False) -> list[tuple[str, float,
     return rows
 
 
+#: Host functions timed by ``host_breakdown``: ``module:attribute`` where the caller looks them up.
+_BROKEN_DOWN = (
+    "fpv2.serving.pipeline:validate_prefill_inputs",
+    "fpv2.serving.timing:StageClock.mark",
+    "fpv2.serving.pipeline:_pool_statistics",
+    "fpv2.index.triton:pool_blocks_triton",
+    "fpv2.serving.pipeline:build_block_index",
+    "fpv2.index.api:validate_prefill_inputs",
+    "fpv2.index.triton:select_blocks_triton",
+    "fpv2.index.triton.api:_check_batch",
+    "fpv2.index.triton.api:_check_cache",
+    "fpv2.index.triton.api:_check_selection",
+    "fpv2.index.triton.api:fresh_outputs",
+    "fpv2.index.triton.api:capacity_bound",
+    "fpv2.index.triton.api:matching_keys",
+    "fpv2.index.triton.api:launch_pool",
+    "fpv2.index.triton.api:launch_score_select",
+    "fpv2.index.triton.api:launch_compact",
+    "fpv2.index.triton.api:IndexWorkspace.num_programs",
+    "fpv2.index.triton.api:IndexWorkspace.reserve",
+    "fpv2.kernel.contracts:BlockIndex.assume_compatible",
+    "fpv2.serving.pipeline:build_correction_plan",
+    "fpv2.serving.backends:HopperBackend.run",
+    "fpv2.serving.fallback_backend:FallbackBackend._choose",
+    "fpv2.kernel._native:hopper_prefill",
+    "fpv2.kernel._native.api:load_native_library",
+    "fpv2.kernel._native.api:prefill_args_struct",
+    "fpv2.kernel._native.structs:paged_batch_struct",
+    "fpv2.kernel._native.structs:block_index_struct",
+    "fpv2.kernel._native.structs:correction_plan_struct",
+    "fpv2.kernel._native.api:check_status",
+)
+
+
+def host_breakdown(call, repeats: int) -> list[tuple[str, float, float]]:
+    """Inclusive host time of each function in ``_BROKEN_DOWN`` per call: ``(name, median us, calls per call)``.
+
+    Each function is wrapped where its caller looks it up (a wrapper adds ~1 us to what it wraps);
+    every call starts on an idle GPU. ``fpv2.kernel._native.api:check_status`` wraps only the
+    status check, so the C call itself is ``hopper_prefill`` minus ``prefill_args_struct`` and the rest.
+    """
+    import importlib
+    from unittest import mock
+
+    spent: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+
+    def wrap(fn, name):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+                counts[name] += 1
+
+        return timed
+
+    patches = []
+    for spec in _BROKEN_DOWN:
+        module, attr = spec.split(":")
+        owner = importlib.import_module(module)
+        *path, leaf = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        patches.append(mock.patch.object(owner, leaf, wrap(getattr(owner, leaf), spec)))
+    per_call: dict[str, list[float]] = defaultdict(list)
+    calls: dict[str, int] = defaultdict(int)
+    for patch in patches:
+        patch.start()
+    try:
+        total = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            spent.clear()
+            counts.clear()
+            t0 = time.perf_counter()
+            call()
+            total.append((time.perf_counter() - t0) * 1e6)
+            for name in _BROKEN_DOWN:
+                per_call[name].append(spent.get(name, 0.0) * 1e6)
+                calls[name] = counts.get(name, 0)
+        torch.cuda.synchronize()
+    finally:
+        for patch in patches:
+            patch.stop()
+    rows = [("whole call", sorted(total)[len(total) // 2], 1.0)]
+    for name in _BROKEN_DOWN:
+        values = sorted(per_call[name])
+        rows.append((name, values[len(values) // 2], float(calls[name])))
+    return rows
+
+
 def host_side(call, repeats: int) -> tuple[float, int, str]:
-    """Host cost of a call started on an idle GPU: median issue ms, host syncs per call, cProfile top 40.
+    """Host cost of a call started on an idle GPU: median issue ms, host syncs per call, cProfile top 40 twice.
 
     The issue time is how long the call takes to return (everything launched); a sync inside
     it (found with ``torch.cuda.set_sync_debug_mode``) would make it wait for the GPU too.
@@ -206,7 +306,9 @@ def host_side(call, repeats: int) -> tuple[float, int, str]:
         profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(40)  # the leaves where the host time is spent
     return sorted(issue)[len(issue) // 2], syncs, text.getvalue()
 
 
@@ -225,6 +327,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("fpv2-results/pipeline-profile"))
     parser.add_argument(
         "--marks-only", action="store_true", help="only the host/GPU launch marks, without the profiler in the process"
+    )
+    parser.add_argument(
+        "--host-breakdown", action="store_true", help="only the host time of each pipeline function (no profiler)"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
