@@ -152,3 +152,36 @@ def test_triton_pooling_writes_the_bf16_copies_only_for_the_correction(monkeypat
         assert torch.equal(v.view(torch.int16), stats.pooled_v.to(torch.bfloat16).view(torch.int16))
     else:
         assert stats.pooled_copies is None
+
+
+def test_inputs_are_validated_once_per_call(monkeypatch, planted):
+    # The pipeline checks q, K/V and the descales itself; the index stage does not check them again.
+    from fpv2.index import api as index_api
+    from fpv2.serving import pipeline as pipeline_module
+
+    calls: list[str] = []
+
+    def counting(where, original):
+        def validate(*args, **kwargs):
+            calls.append(where)
+            return original(*args, **kwargs)
+
+        return validate
+
+    monkeypatch.setattr(
+        pipeline_module, "validate_prefill_inputs", counting("pipeline", pipeline_module.validate_prefill_inputs)
+    )
+    monkeypatch.setattr(index_api, "validate_prefill_inputs", counting("index", index_api.validate_prefill_inputs))
+    wl, _ = planted
+    for strategy in ("max_threshold", "dense"):
+        calls.clear()
+        SparsePrefillPipeline(SPARSE, strategy=strategy, backend="reference")(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+        assert calls == ["pipeline"], strategy
+    # The public entry point still checks its inputs.
+    from fpv2.index import build_block_index
+
+    calls.clear()
+    build_block_index(wl.q, wl.k_cache, wl.batch, config=SPARSE)
+    assert calls == ["index"]
+    with pytest.raises(ValueError, match="q must hold"):
+        build_block_index(wl.q[:10], wl.k_cache, wl.batch, config=SPARSE)

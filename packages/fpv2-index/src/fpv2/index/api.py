@@ -43,6 +43,38 @@ def build_block_index(
         TypeError, ValueError: bad inputs, naming the argument, its shape and dtype;
             an unknown strategy name (the message lists the available ones).
     """
+    return _build_block_index(
+        q,
+        k_cache,
+        batch,
+        config=config,
+        strategy=strategy,
+        statistics=statistics,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        inputs_validated=False,
+    )
+
+
+def _build_block_index(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    *,
+    config: SelectionConfig | None,
+    strategy: str | SelectionStrategy,
+    statistics: BlockStatistics | None,
+    q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    inputs_validated: bool,
+) -> BlockIndex:
+    """:func:`build_block_index`; ``inputs_validated`` skips its check of the tensors and descales.
+
+    For a caller that has just run :func:`~fpv2.kernel.contracts.validate_prefill_inputs` on the
+    same ``q``, ``k_cache``, ``batch`` and descales with its V cache (a superset of the check here,
+    which stands K in for V): the serving pipeline, to which the repeat cost ~20 us of host time per
+    call. Config, strategy and statistics are checked either way.
+    """
     if config is None:
         config = SelectionConfig()
     elif not isinstance(config, SelectionConfig):
@@ -51,8 +83,11 @@ def build_block_index(
         strategy = get_strategy(strategy)
     elif not isinstance(strategy, SelectionStrategy):
         raise TypeError(f"strategy must be a strategy name or a SelectionStrategy, got {type(strategy).__name__}")
-    # K stands in for V: this stage never reads values, and the FP8 rule wants a V descale too.
-    validate_prefill_inputs(q, k_cache, k_cache, batch, q_descale=q_descale, k_descale=k_descale, v_descale=k_descale)
+    if not inputs_validated:
+        # K stands in for V: this stage never reads values, and the FP8 rule wants a V descale too.
+        validate_prefill_inputs(
+            q, k_cache, k_cache, batch, q_descale=q_descale, k_descale=k_descale, v_descale=k_descale
+        )
     if statistics is None:
         statistics = pool_blocks(k_cache, None, batch, block_size=config.block_size, k_descale=k_descale)
     elif statistics.num_kv_heads != k_cache.shape[2]:

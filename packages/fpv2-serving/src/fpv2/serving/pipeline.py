@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fpv2.correction import build_correction_plan, compute_block_statistics
-from fpv2.index import SelectionConfig, available_strategies, build_block_index, get_strategy
+from fpv2.index import SelectionConfig, available_strategies, get_strategy
+from fpv2.index.api import _build_block_index
 from fpv2.index.strategies.max_threshold import use_triton_index
 from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch, validate_prefill_inputs
 
@@ -160,7 +161,8 @@ class SparsePrefillPipeline:
                 v_descale=v_descale,
                 bf16_copies=self.correction,
             )
-        index = build_block_index(
+        # The inputs were validated above (with V): build_block_index would check them again.
+        index = _build_block_index(
             q,
             k_cache,
             batch,
@@ -169,6 +171,7 @@ class SparsePrefillPipeline:
             statistics=statistics,
             q_descale=q_descale,
             k_descale=k_descale,
+            inputs_validated=True,
         )
         if index.group != shapes.group or index.num_kv_heads != shapes.num_kv_heads:
             raise ValueError(
