@@ -106,6 +106,37 @@ def test_dense_on_a_side_stream(paged_case, head_dim, group):
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize(
+    ("offset", "head_pad"),
+    [(0, 8), (2, 0), (0, 2)],
+    ids=["padded-aligned", "base-4-byte-aligned", "head-stride-not-16-bytes"],
+)
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_output_views_aligned_or_not(paged_case, hand_index, head_dim, offset, head_pad):
+    # The epilogue stores 16 bytes per thread when out's base and strides are 16-byte multiples and falls back to
+    # 4-byte stores otherwise: every case writes exactly the view (the NaN around it stays) with the same values.
+    _require_kernel()
+    case = paged_case(
+        SEQLENS_Q, SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=128,
+        dtype=torch.bfloat16, device="cuda", seed=11 + offset + head_pad + head_dim,
+    )  # fmt: skip
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128, keep=_keep_some(3, 0.3))
+    plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch))
+    total_q, heads, d = case.q.shape
+    size = total_q * heads * (d + head_pad) + offset
+    storage = torch.full((size,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = storage[offset:].view(total_q, heads, d + head_pad)[:, :, :d]
+    native.hopper_prefill(case.q, case.k_cache, case.v_cache, out, case.batch, index=index, plan=plan)
+    inputs = (case.q, case.k_cache, case.v_cache, case.batch, index)
+    want = sparse_attention(*inputs, plan=plan, compute_dtype=torch.float64)
+    same = sparse_attention(*inputs, plan=plan).to(torch.bfloat16)
+    _check(out, want, same)
+    outside = torch.ones_like(storage, dtype=torch.bool)
+    outside[offset:].view(total_q, heads, d + head_pad)[:, :, :d] = False
+    assert storage[outside].isnan().all(), "the kernel wrote outside the output view"
+
+
+@pytest.mark.hopper
 @pytest.mark.parametrize("head_dim", UNBUILT_HEAD_DIMS)
 def test_head_dims_it_was_not_built_for_are_refused(paged_case, head_dim):
     _require_kernel()
