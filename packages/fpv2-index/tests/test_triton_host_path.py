@@ -213,6 +213,31 @@ def test_fresh_outputs_are_aligned_disjoint_views_of_one_allocation() -> None:
     assert same[0].dtype == torch.int32 and same[1].data_ptr() - same[0].data_ptr() == PART_ALIGN
 
 
+def test_fresh_outputs_have_torchs_contiguous_layout() -> None:
+    parts = [
+        ((2, 0, 3), torch.float32),
+        ((4, 3), torch.bfloat16),
+        ((), torch.float32),
+        ((5, 1, 2), torch.float8_e4m3fn),
+        ((3,), torch.int64),
+    ]
+    outs = fresh_outputs(torch.device(DEVICE), parts)
+    for t, (shape, dtype) in zip(outs, parts):
+        assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.stride() == torch.empty(shape, dtype=dtype).stride()
+    # Each part is its own memory: filling one leaves the others as they were.
+    for i, t in enumerate(outs):
+        if t.numel():
+            t.reshape(-1).view(torch.uint8).fill_(i + 1)
+    for i, t in enumerate(outs):
+        if t.numel():
+            assert bool((t.reshape(-1).view(torch.uint8) == i + 1).all()), i
+    # Only empty parts, in two dtypes: still one allocation they can view.
+    empty = fresh_outputs(torch.device(DEVICE), [((0,), torch.float32), ((0, 4), torch.bfloat16)])
+    assert [tuple(t.shape) for t in empty] == [(0,), (0, 4)]
+    assert [t.dtype for t in empty] == [torch.float32, torch.bfloat16]
+
+
 def test_a_repeated_call_reuses_the_workspace_and_returns_fresh_outputs() -> None:
     w = _workload()
     config = _config()
