@@ -27,22 +27,29 @@ def check_tensor(
     """Check type, dtype, rank and (optionally) device of one tensor argument."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in tuple(dtypes):
+    if t.dtype not in dtypes:
         allowed = ", ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}); got {describe(t)}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have rank {ndim}; got {describe(t)}")
-    if device is not None and t.device != torch.device(device):
+    # Callers pass the batch's torch.device: no new device object per check (these run on every call).
+    if device is not None and t.device != (device if isinstance(device, torch.device) else torch.device(device)):
         raise ValueError(f"{name} must be on {device} like the other inputs; got {describe(t)}")
     return t
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None]) -> None:
     """Check a tensor's shape; ``None`` entries match any size."""
-    ok = t.dim() == len(expected) and all(e is None or s == e for s, e in zip(t.shape, expected))
-    if not ok:
-        want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
-        raise ValueError(f"{name} must have shape {want}; got {describe(t)}")
+    shape = t.shape
+    if len(shape) == len(expected):
+        # A plain loop: a generator through all() costs more than the comparisons (this runs on every call).
+        for s, e in zip(shape, expected):
+            if e is not None and s != e:
+                break
+        else:
+            return
+    want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
+    raise ValueError(f"{name} must have shape {want}; got {describe(t)}")
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
