@@ -52,7 +52,13 @@ class MaxThresholdStrategy:
         """The index workspace of ``device``'s current stream (created on first use)."""
         from ..triton import IndexWorkspace
 
-        key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+        stream = 0
+        if device.type == "cuda":
+            # The raw handle of torch.cuda.current_stream(device).cuda_stream, without building a Stream
+            # object (~0.2 against ~6.5 us of host time per call on the GPU machine).
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            stream = torch._C._cuda_getCurrentRawStream(index)
+        key = (device, stream)
         workspace = self._workspaces.get(key)
         if workspace is None:
             workspace = self._workspaces[key] = IndexWorkspace(device)

@@ -380,7 +380,11 @@ def _stream_handle(stream: object, q: torch.Tensor) -> int | None:
     """Raw ``cudaStream_t`` of ``stream``; None selects q's current stream (NULL for CPU tensors)."""
     if stream is None:
         if q.is_cuda:
-            return torch.cuda.current_stream(q.device).cuda_stream or None
+            # The raw handle of torch.cuda.current_stream(device).cuda_stream, without building a Stream
+            # object (~0.2 against ~6.5 us of host time on the GPU machine); a CUDA tensor's device has an index.
+            device = q.device
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return torch._C._cuda_getCurrentRawStream(index) or None
         return None
     if isinstance(stream, int) and not isinstance(stream, bool):
         return stream or None
