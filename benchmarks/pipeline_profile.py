@@ -190,7 +190,7 @@ _BROKEN_DOWN = (
     "fpv2.serving.timing:StageClock.mark",
     "fpv2.serving.pipeline:_pool_statistics",
     "fpv2.index.triton:pool_blocks_triton",
-    "fpv2.serving.pipeline:build_block_index",
+    "fpv2.serving.pipeline:_build_block_index",
     "fpv2.index.api:validate_prefill_inputs",
     "fpv2.index.triton:select_blocks_triton",
     "fpv2.index.triton.api:_check_batch",
