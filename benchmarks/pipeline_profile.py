@@ -9,6 +9,7 @@ call of every kernel, the sum, and the mean wall time per call; then the host si
 syncs, cProfile). ``--marks-only`` instead times, without the profiler in the process, when the
 host issued each launch and when the GPU got past it (:func:`host_marks`): the profiler's own
 timeline is no guide to host gaps, as its Triton launch hooks slow every launch.
+``--host-breakdown`` instead times the host side of each pipeline function of a call (:func:`host_breakdown`).
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``, on a GPU):
 ``python benchmarks/pipeline_profile.py --seqlen 32768 131072 --page-size 128 --out OUT``
