@@ -5,8 +5,9 @@
 //      (accumulator_as_operand_a), holds exactly the (row, kv) entries the PV wgmma expects in each A
 //      register; otherwise P would be multiplied with the wrong V rows;
 //   2. S and O rows of a thread coincide (the softmax rescales O rows with S-row statistics), each thread's
-//      rows lie in its consumer warpgroup's 64-row half, and the epilogue's pairs (j, j + 1) are adjacent
-//      columns of one row;
+//      rows lie in its consumer warpgroup's 64-row half, the epilogue's pairs (j, j + 1) are adjacent
+//      columns of one row, and the quad of threads sharing a row holds each 8-column group as its 4 words
+//      (the 16-byte stores' transpose);
 //   3. 16-byte chunks (8 bf16) of Q and K rows and of V^T columns stay contiguous and 16-byte aligned in the
 //      swizzled shared-memory layouts (cp.async of Q, the K/V gather and the V tail clearing write such chunks),
 //      the 32-bit offsets of smem_offset() (the row gather's destinations) are the addresses of CuTe's
@@ -167,6 +168,15 @@ void check_rows() {
         const int col = get<1>(o_rc(i, j));
         expect(col % 2 == 0 && int(get<1>(o_rc(i, j + 1))) == col + 1,
                "epilogue pair (j, j+1) is an aligned column pair: thread, j, col", t, j, col);
+        // The 16-byte stores' quad transpose (epilogue_store.hpp): word j / 2 of the thread is part t % 4 of
+        // 8-column group j / 2, and the quad's four threads hold the same row.
+        expect(col == 8 * (j / 2) + 2 * (t % 4), "epilogue word j/2 is part t%4 of column group j/2: thread, j, col",
+               t, j, col);
+      }
+      for (int partner = (t & ~3); partner < (t & ~3) + 4; ++partner) {
+        Tensor p = mma_pv.get_thread_slice(partner).partition_C(make_identity_tensor(TileO{}));
+        Tensor p_rc = make_tensor(p.data(), fpv2::hopper::accumulator_rows_cols(p.layout()));
+        expect(int(get<0>(p_rc(i, 0))) == row, "the quad's threads share row i: thread, partner, i", t, partner, i);
       }
       // The lse is written by the thread whose first column is 0: exactly one thread per row.
     }
