@@ -49,7 +49,6 @@ class StageClock:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._device = device
         # The device's current stream, looked up once: a mark records on it directly (no device context and
         # stream lookup per mark, ~30 us of host time each on the GPU machine). The stream belongs to
         # ``device`` even when another device is current, and recording needs no device switch: the event is
