@@ -94,9 +94,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     return Geometry::load(request, inner % params.num_kv_heads, params.num_m_blocks - 1 - m_from_last, params.group,
                           params.cu_seqlens_q, params.seqlens_k);
   };
-  // Persistent CTAs: the CTA's k-th tile in the snake order of persistent_order.hpp.
+  // Persistent CTAs: the CTA's k-th tile is in the snake order of persistent_order.hpp; producer and consumers
+  // walk its valid tiles (uniform over the CTA) with this one function, so they agree on every tile.
+  // next_valid(k, tile): the first k' >= k whose tile is valid (written to `tile`), or -1.
   const int num_tiles = params.num_m_blocks * heads_x_requests;
-  auto tile_index_of = [&](int k) { return persistent_tile_index(k, int(blockIdx.x), int(gridDim.x)); };
+  auto next_valid = [&](int k, Geometry& tile) {
+    for (; k * int(gridDim.x) < num_tiles; ++k) {
+      const int index = persistent_tile_index(k, int(blockIdx.x), int(gridDim.x));
+      if (index >= num_tiles) continue;
+      tile = tile_at(index);
+      if (tile.valid()) return k;
+    }
+    return -1;
+  };
   if constexpr (!kPersistent) {
     if (!tile_at(int(blockIdx.x)).valid()) {
       return;  // uniform over the CTA, before any barrier
@@ -155,12 +165,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
     };
     if constexpr (kPersistent) {
-      for (int k = 0; k * int(gridDim.x) < num_tiles; ++k) {
-        const int index = tile_index_of(k);
-        if (index >= num_tiles) continue;
-        const Geometry tile = tile_at(index);
-        if (tile.valid()) produce(tile);  // uniform over the CTA
-      }
+      Geometry tile;
+      for (int k = next_valid(0, tile); k >= 0; k = next_valid(k + 1, tile)) produce(tile);
     } else {
       produce(tile_at(int(blockIdx.x)));
     }
@@ -169,17 +175,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto state = Pipeline::consumer_start();
     const int consumer_thread = int(threadIdx.x) - Traits::kThreadsPerWarpGroup;
     if constexpr (kPersistent) {
-      // Valid tiles only (uniform over the CTA); each call is told the next one, so that it issues that tile's
-      // Q rows under its last PV product. next_valid: the first k' >= k whose tile is valid (into `tile`), or -1.
-      auto next_valid = [&](int k, Geometry& tile) {
-        for (; k * int(gridDim.x) < num_tiles; ++k) {
-          const int index = tile_index_of(k);
-          if (index >= num_tiles) continue;
-          tile = tile_at(index);
-          if (tile.valid()) return k;
-        }
-        return -1;
-      };
+      // Each call is told the next valid tile, so that it issues that tile's Q rows under its last PV product.
       Geometry tile, next;
       bool q_issued = false;
       for (int k = next_valid(0, tile); k >= 0;) {
