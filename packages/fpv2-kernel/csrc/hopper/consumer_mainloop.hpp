@@ -50,7 +50,7 @@ struct ConsumerMainloop {
   // kMarkFirstPooled: a pooled tile that directly follows the kept blocks is visited as mode 3 (the FP8
   // correction changes operand types there).
   template <bool kMarkFirstPooled = false, class Geometry, class Visit>
-  __device__ __forceinline__ static void walk_schedule_from(BlockSchedule const& schedule, Geometry const& tile,
+  __device__ __forceinline__ static void walk_schedule_from(BlockScheduleFor<Traits> const& schedule, Geometry const& tile,
                                                             int i, int c, Visit&& visit) {
     const int num_kept = schedule.num_kept;
     int n_next = i < num_kept ? schedule.block(i) : 0;
@@ -83,7 +83,7 @@ struct ConsumerMainloop {
   // tile after the first in the same state, with no runtime flag that ptxas would have to correlate.
   // Returns whether any tile was visited.
   template <bool kMarkFirstPooled = false, class Geometry, class First, class Visit>
-  __device__ __forceinline__ static bool walk_schedule_peeled(BlockSchedule const& schedule, Geometry const& tile,
+  __device__ __forceinline__ static bool walk_schedule_peeled(BlockScheduleFor<Traits> const& schedule, Geometry const& tile,
                                                               First&& first, Visit&& visit) {
     if (schedule.num_kept > 0) {
       const int n = schedule.block(0);
@@ -152,7 +152,7 @@ struct ConsumerMainloop {
     // Q: this warpgroup's 64 packed rows, visible to all its threads before the first wgmma. The schedule's
     // global loads are issued before the wait, so that their latency overlaps the Q rows'.
     if (!q_issued) PackGqaQueryLoader<Traits>::issue(sQ, params, tile, wg, thread_in_wg);
-    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+    const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
     const int pooled_base = params.has_correction ? params.pooled_block_offsets[tile.request] : 0;
     PackGqaQueryLoader<Traits>::wait();
     cutlass::arch::NamedBarrier::sync(Traits::kThreadsPerWarpGroup,
@@ -175,7 +175,7 @@ struct ConsumerMainloop {
       if (params.persistent) {
         cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingShifts));
       }
-      CorrectionMask<Traits>::build(smem.pending_shifts, params, schedule, pooled_base, tile.n_block_masked,
+      CorrectionMask<Traits>::build(smem.pending_shifts, params, schedule, pooled_base, tile.n_pooled_eligible,
                                     log2_to_raw, consumer_thread);
     }
 
@@ -227,7 +227,7 @@ struct ConsumerMainloop {
       } else if constexpr (kMode == 2) {
         // Rows past the eligible range (the next request's pooled rows, or spare rows of the tensor) carry
         // zero probability but are not guaranteed finite: clear them in the last pooled tile.
-        const int eligible_rows = tile.n_block_masked - n * Traits::kBlockN;
+        const int eligible_rows = tile.n_pooled_eligible - n * Traits::kBlockN;
         if (eligible_rows < Traits::kBlockN) {
           ValueTailGuard<Traits>::clear(sVt, state.stage, eligible_rows, consumer_thread);
         }
@@ -251,7 +251,7 @@ struct ConsumerMainloop {
         if constexpr (kMode == 1) {
           return tile.is_partial_tail_block(n) ? tile.seqlen_k - n * Traits::kBlockN : Traits::kBlockN;
         } else if constexpr (kMode >= 2 && !kPooledE4M3) {
-          const int eligible_rows = tile.n_block_masked - n * Traits::kBlockN;
+          const int eligible_rows = tile.n_pooled_eligible - n * Traits::kBlockN;
           return eligible_rows < Traits::kBlockN ? eligible_rows : Traits::kBlockN;
         } else {
           // Kept blocks, and the E4M3 pooled tiles: every row there is finite (the copies hold zeros

@@ -1,15 +1,15 @@
 // The mean correction on the consumer side (ALGORITHM.md section 6): which pooled rows of a pooled tile
 // count, and the log|B_J| shift of their logits.
 //
-// Pooled row J of the request stands in for pruned block J when it is eligible: J < n_block_masked (fully
-// visible to the tile's first row) and J is not among the tile's kept blocks. Its logit is
+// Pooled row J of the request stands in for pruned block J when it is eligible: J < n_eligible (fully
+// visible to the tile's first row: TileGeometry::n_pooled_eligible) and J is not among the tile's kept blocks. Its logit is
 // q . kbar_J * scale + log|B_J|; in the kernel's raw-score units (scores are scaled inside the softmax) the
 // shift is log|B_J| / scale. Other columns of the tile (kept blocks, the diagonal band, the next request's
 // rows, TMA zero fill) are replaced by -inf, so they carry no probability.
 //
 // Once per tile the consumers write the shift of every pooled row the tile's pooled tiles cover into a
 // shared-memory float table (coalesced reads of block_lengths, one lg2 per row), -inf for rows that are not
-// eligible: rows past n_block_masked, and the tile's kept blocks (from the CSR segment). A pooled tile then
+// eligible: rows past n_eligible, and the tile's kept blocks (from the CSR segment). A pooled tile then
 // costs one 8-byte shared load per pair of a thread's columns and an add and a max per score: no
 // per-column lg2 (a quarter-rate MUFU op that ptxas issued for every column even when predicated off; with
 // the byte loads and selects around it, the mask was 43% of the correction's extra time at 128K, ncu
@@ -28,37 +28,43 @@
 
 namespace fpv2::hopper {
 
+template <int kRows>
 struct PendingShiftsStorage {
   // Raw-score shift log|B_J| / scale of pooled row J when block J is eligible, -inf otherwise; rows up to
   // the end of the tile's last pooled tile are written.
-  alignas(16) float shift[kMaxCorrectionBlocks];
+  alignas(16) float shift[kRows];
 };
+
+// The table of the instantiation `Traits`: max_correction_blocks(d) rows.
+template <class Traits>
+using PendingShiftsFor = PendingShiftsStorage<max_correction_blocks(Traits::kHeadDim)>;
 
 template <class Traits>
 struct CorrectionMask {
-  static_assert(kMaxCorrectionBlocks % Traits::kBlockN == 0, "pooled tiles never run past the table");
+  using Table = PendingShiftsFor<Traits>;
+  static_assert(max_correction_blocks(Traits::kHeadDim) % Traits::kBlockN == 0, "pooled tiles never run past the table");
 
   // Consumer threads, once per tile, before the first pooled tile. Ends with a barrier of all consumer
   // threads. log2_to_raw = ln(2) / softmax_scale turns log2|B| into the raw-score shift.
   template <class Params>
-  __device__ __forceinline__ static void build(PendingShiftsStorage& table, Params const& params,
-                                               BlockSchedule const& schedule, int pooled_base, int n_block_masked,
+  __device__ __forceinline__ static void build(Table& table, Params const& params,
+                                               BlockScheduleFor<Traits> const& schedule, int pooled_base, int n_eligible,
                                                float log2_to_raw, int consumer_thread) {
     const int rows = schedule.num_correction * Traits::kBlockN;
     for (int j = consumer_thread; j < rows; j += Traits::kNumConsumerThreads) {
       float shift = -INFINITY;
-      if (j < n_block_masked) {
+      if (j < n_eligible) {
         const int length = params.block_lengths[pooled_base + j];
         // The plan checks 1 <= |B_J| <= block_size; clamp anyway so that a bad length cannot raise a
         // pooled term above its block's token count.
-        if (length > 0) shift = __log2f(float(length < Traits::kBlockN ? length : Traits::kBlockN)) * log2_to_raw;
+        if (length > 0) shift = __log2f(float(length < Traits::kBlockSize ? length : Traits::kBlockSize)) * log2_to_raw;
       }
       table.shift[j] = shift;
     }
     cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingShifts));
-    for (int i = consumer_thread; i < schedule.num_kept; i += Traits::kNumConsumerThreads) {
+    for (int i = consumer_thread; i < schedule.num_kept_blocks; i += Traits::kNumConsumerThreads) {
       const int j = schedule.kept[i];
-      if (j >= 0 && j < n_block_masked) {
+      if (j >= 0 && j < n_eligible) {
         table.shift[j] = -INFINITY;
       }
     }
@@ -80,21 +86,21 @@ struct CorrectionMask {
   static constexpr int kBuiltArrivals = kBuilders + Traits::kNumConsumerThreads;
 
   template <class Params>
-  __device__ __forceinline__ static void build_by_producer(PendingShiftsStorage& table, Params const& params,
-                                                           BlockSchedule const& schedule, int pooled_base,
-                                                           int n_block_masked, float log2_to_raw, int builder) {
+  __device__ __forceinline__ static void build_by_producer(Table& table, Params const& params,
+                                                           BlockScheduleFor<Traits> const& schedule, int pooled_base,
+                                                           int n_eligible, float log2_to_raw, int builder) {
     const int rows = schedule.num_correction * Traits::kBlockN;
     for (int j = builder; j < rows; j += kBuilders) {
       float shift = -INFINITY;
-      if (j < n_block_masked) {
+      if (j < n_eligible) {
         const int length = params.block_lengths[pooled_base + j];
-        if (length > 0) shift = __log2f(float(length < Traits::kBlockN ? length : Traits::kBlockN)) * log2_to_raw;
+        if (length > 0) shift = __log2f(float(length < Traits::kBlockSize ? length : Traits::kBlockSize)) * log2_to_raw;
       }
       table.shift[j] = shift;
     }
-    for (int i = 0; i < schedule.num_kept; ++i) {
+    for (int i = 0; i < schedule.num_kept_blocks; ++i) {
       const int j = schedule.kept[i];
-      if (j >= 0 && j < n_block_masked && j % kBuilders == builder) {
+      if (j >= 0 && j < n_eligible && j % kBuilders == builder) {
         table.shift[j] = -INFINITY;
       }
     }
@@ -112,7 +118,7 @@ struct CorrectionMask {
   // scores_rc / coords_rc: the thread's (rows x cols) view of S and of its (row, col) coordinates.
   template <class ScoresRowsCols, class CoordsRowsCols>
   __device__ __forceinline__ static void apply(ScoresRowsCols& scores_rc, CoordsRowsCols const& coords_rc,
-                                               PendingShiftsStorage const& table, int pooled_tile) {
+                                               Table const& table, int pooled_tile) {
     using namespace cute;
     static_assert(decltype(size<1>(scores_rc))::value % 2 == 0, "a thread's columns come in adjacent pairs");
     float const* tile_shift = table.shift + pooled_tile * Traits::kBlockN;
@@ -132,7 +138,7 @@ struct CorrectionMask {
   // (the row's Q scale times the KV head's pooled-K scale), folded into the shift's add as one FMA.
   template <class ScoresRowsCols, class CoordsRowsCols, int kRows>
   __device__ __forceinline__ static void apply_scaled(ScoresRowsCols& scores_rc, CoordsRowsCols const& coords_rc,
-                                                      PendingShiftsStorage const& table, int pooled_tile,
+                                                      Table const& table, int pooled_tile,
                                                       float const (&row_factor)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(scores_rc))::value == kRows, "one factor per row of the thread");

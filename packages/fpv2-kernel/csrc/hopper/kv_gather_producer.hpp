@@ -1,4 +1,4 @@
-// The producer of the prefill kernel for page sizes that are not a multiple of the 128-token tile (1, 16,
+// The producer of the prefill kernel for page sizes that are not a multiple of the kBlockN-token tile (1, 16,
 // 64, ...): the 128 threads of the producer warpgroup gather the K and V rows of each KV tile of the
 // BlockSchedule with 16-byte cp.async, one token row per thread (one page-table read per thread and
 // tile), in the order the consumers read them.
@@ -43,7 +43,12 @@ struct KvGatherProducer {
   static constexpr int kSegmentsPerRow = Traits::kHeadDim / kElementsPerSegment;     // 2 for d = 128, 1 for 64
   static_assert(Traits::kHeadDim % kElementsPerSegment == 0, "rows are whole 128-byte swizzle segments");
   static_assert(kSmemTileAlignment % 1024 == 0, "the chunk XOR needs 1024-byte aligned stage buffers");
-  static_assert(Traits::kThreadsPerWarpGroup == Traits::kBlockN, "one producer thread per token row of a tile");
+  // One thread per token row of a 128-token tile; at 64-token tiles (d = 256) two threads share a row, each
+  // copying half of its 128-byte segments, so that every producer thread still arrives on each stage.
+  static constexpr int kThreadsPerRow = Traits::kThreadsPerWarpGroup / Traits::kBlockN;           // 1, or 2 at d = 256
+  static constexpr int kSegmentsPerThread = kSegmentsPerRow / kThreadsPerRow;
+  static_assert(Traits::kThreadsPerWarpGroup % Traits::kBlockN == 0, "whole threads per token row of a tile");
+  static_assert(kSegmentsPerRow % kThreadsPerRow == 0, "the threads of a row share its segments evenly");
 
   // One 16-byte copy per chunk of the thread's row: into K (row-major (N, d)) or V^T ((d, N)) of `stage`, at
   // 32-bit shared addresses (with CuTe's 64-bit swizzled pointers ptxas spilled in 24 registers: 4 bytes at
@@ -51,14 +56,15 @@ struct KvGatherProducer {
   // chunks by XOR with the row's swizzle phase, so chunk k of a segment lies at the address of chunk 0 XOR
   // 16 k (the stage buffers are 1024-byte aligned): one layout evaluation per segment, the rest immediates.
   // fpv2_hopper_layout_check checks both facts on the layouts of every built head dim.
+  // `part` (0 .. kThreadsPerRow - 1): which of the row's kThreadsPerRow shares of segments this thread copies.
   template <bool kTransposed>
-  __device__ __forceinline__ static void copy_row(Element* smem_tile, int stage, int row, Element const* src,
+  __device__ __forceinline__ static void copy_row(Element* smem_tile, int stage, int row, int part, Element const* src,
                                                   bool valid) {
     using Layout = cute::conditional_t<kTransposed, typename Traits::SmemLayoutVt, typename Traits::SmemLayoutK>;
     const uint32_t tile_address = cute::cast_smem_ptr_to_uint(smem_tile);
     CUTE_UNROLL
-    for (int segment = 0; segment < kSegmentsPerRow; ++segment) {
-      const int col = segment * kElementsPerSegment;
+    for (int s = 0; s < kSegmentsPerThread; ++s) {
+      const int col = (part * kSegmentsPerThread + s) * kElementsPerSegment;
       const int first = kTransposed ? smem_offset<Layout>(col, row, stage) : smem_offset<Layout>(row, col, stage);
       const uint32_t address = tile_address + uint32_t(first) * uint32_t(sizeof(Element));
       CUTE_UNROLL
@@ -69,10 +75,12 @@ struct KvGatherProducer {
   }
 
   template <class Params, class Geometry, class Storage>
-  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int row,
+  __device__ static void run(Params const& params, Geometry const& tile, Storage& smem, int thread,
                              typename KvPipeline<Traits::kStages>::State& state) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
+    const int row = kThreadsPerRow == 1 ? thread : thread % Traits::kBlockN;  // the token row of the tile
+    const int part = kThreadsPerRow == 1 ? 0 : thread / Traits::kBlockN;
 
     int32_t const* pages = params.page_table + int64_t(tile.request) * params.page_table_stride;
     const int page_size = params.page_size;
@@ -85,7 +93,7 @@ struct KvGatherProducer {
       return pages[token / page_size] * page_size + token % page_size;
     };
 
-    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+    const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
     const int num_kept = schedule.num_kept;
@@ -98,10 +106,10 @@ struct KvGatherProducer {
       const int64_t row_v = valid ? int64_t(cache_row) * params.v_token_stride + head_offset : 0;
       // A zero-size copy reads nothing: the cache base stands in for rows past the request.
       pipeline_k.producer_wait_empty(state);
-      copy_row<false>(smem.k, state.stage, row, params.k_cache + row_k, valid);
+      copy_row<false>(smem.k, state.stage, row, part, params.k_cache + row_k, valid);
       pipeline_k.producer_commit_cp_async(state);
       pipeline_v.producer_wait_empty(state);
-      copy_row<true>(smem.v, state.stage, row, params.v_cache + row_v, valid);
+      copy_row<true>(smem.v, state.stage, row, part, params.v_cache + row_v, valid);
       pipeline_v.producer_commit_cp_async(state);
       state.advance();
       cache_row = next_row;
@@ -115,10 +123,10 @@ struct KvGatherProducer {
         const bool valid = pooled_row < params.pooled_rows;
         const int64_t offset = valid ? pooled_row * params.cache_cols + head_offset : 0;
         pipeline_k.producer_wait_empty(state);
-        copy_row<false>(smem.k, state.stage, row, params.pooled_k + offset, valid);
+        copy_row<false>(smem.k, state.stage, row, part, params.pooled_k + offset, valid);
         pipeline_k.producer_commit_cp_async(state);
         pipeline_v.producer_wait_empty(state);
-        copy_row<true>(smem.v, state.stage, row, params.pooled_v + offset, valid);
+        copy_row<true>(smem.v, state.stage, row, part, params.pooled_v + offset, valid);
         pipeline_v.producer_commit_cp_async(state);
         state.advance();
       }

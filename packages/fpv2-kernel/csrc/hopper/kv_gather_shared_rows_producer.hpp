@@ -66,7 +66,7 @@ struct KvSharedRowsGatherProducer {
     const int page_size = params.page_size;
     const int head_offset = tile.kv_head * Traits::kHeadDim;
 
-    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+    const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
     CUTE_NO_UNROLL
@@ -77,7 +77,9 @@ struct KvSharedRowsGatherProducer {
       int32_t* rows = smem.gather_rows[round & 1];  // alternates over the kept tiles of every query tile
       ++round;
       const int token = schedule.block(i) * Traits::kBlockN + thread;
-      rows[thread] = token < tile.seqlen_k ? pages[token / page_size] * page_size + token % page_size : -1;
+      if (Traits::kBlockN == Traits::kThreadsPerWarpGroup || thread < Traits::kBlockN) {  // 64-token tiles: half
+        rows[thread] = token < tile.seqlen_k ? pages[token / page_size] * page_size + token % page_size : -1;
+      }
       cutlass::arch::NamedBarrier::sync(Traits::kThreadsPerWarpGroup, barrier_id(ProducerBarrier::kGatherRows));
       pipeline_k.producer_wait_empty(state);
       copy_tile<false>(sK, state.stage, thread, params.k_cache, [&](int row) -> int64_t {

@@ -41,7 +41,11 @@ struct KvWarpGatherProducer {
   static constexpr int kRowsPerInstruction = 32 / kChunksPerRow;              // 2 for d = 128, 4 for 64
   static constexpr int kRowsPerWarp = 32;
   static_assert(32 % kChunksPerRow == 0, "a warp instruction covers whole rows");
-  static_assert(Traits::kThreadsPerWarpGroup == Traits::kBlockN, "one owning lane per token row of a tile");
+  // One owning lane per token row of a tile: at 64-token tiles (d = 256) warps 2 and 3 own none and only
+  // arrive on each stage.
+  static_assert(Traits::kBlockN % kRowsPerWarp == 0 && Traits::kBlockN <= Traits::kThreadsPerWarpGroup,
+                "whole warps own the token rows of a tile");
+  static constexpr bool kEveryWarpOwnsRows = Traits::kBlockN == Traits::kThreadsPerWarpGroup;
 
   // The warp's 32 rows of a tile into K (row-major (N, d)) or V^T ((d, N)) of `stage`. `owned` is the source
   // row (in rows of `row_stride` elements from `base`) of the tile row this lane owns (lane l owns row
@@ -74,6 +78,7 @@ struct KvWarpGatherProducer {
 
     const int lane = thread % 32;
     const int first_row = (thread / 32) * kRowsPerWarp;
+    const bool owns_rows = kEveryWarpOwnsRows || first_row < Traits::kBlockN;  // uniform over the warp
     int32_t const* pages = params.page_table + int64_t(tile.request) * params.page_table_stride;
     const int page_size = params.page_size;
     const int head_offset = tile.kv_head * Traits::kHeadDim;
@@ -85,7 +90,7 @@ struct KvWarpGatherProducer {
       return pages[token / page_size] * page_size + token % page_size;
     };
 
-    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+    const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
     const int num_kept = schedule.num_kept;
@@ -94,11 +99,11 @@ struct KvWarpGatherProducer {
     for (int i = 0; i < num_kept; ++i) {
       const int next_row = i + 1 < num_kept ? cache_row_of(schedule.block(i + 1)) : -1;
       pipeline_k.producer_wait_empty(state);
-      copy_rows<false>(sK, state.stage, first_row, lane, params.k_cache + head_offset, cache_row,
+      if (owns_rows) copy_rows<false>(sK, state.stage, first_row, lane, params.k_cache + head_offset, cache_row,
                        params.k_token_stride);
       pipeline_k.producer_commit_cp_async(state);
       pipeline_v.producer_wait_empty(state);
-      copy_rows<true>(sVt, state.stage, first_row, lane, params.v_cache + head_offset, cache_row,
+      if (owns_rows) copy_rows<true>(sVt, state.stage, first_row, lane, params.v_cache + head_offset, cache_row,
                       params.v_token_stride);
       pipeline_v.producer_commit_cp_async(state);
       state.advance();
@@ -112,10 +117,10 @@ struct KvWarpGatherProducer {
         const int pooled_row = pooled_base + c * Traits::kBlockN + first_row + lane;
         const int owned = pooled_row < params.pooled_rows ? pooled_row : -1;
         pipeline_k.producer_wait_empty(state);
-        copy_rows<false>(sK, state.stage, first_row, lane, params.pooled_k + head_offset, owned, params.cache_cols);
+        if (owns_rows) copy_rows<false>(sK, state.stage, first_row, lane, params.pooled_k + head_offset, owned, params.cache_cols);
         pipeline_k.producer_commit_cp_async(state);
         pipeline_v.producer_wait_empty(state);
-        copy_rows<true>(sVt, state.stage, first_row, lane, params.pooled_v + head_offset, owned, params.cache_cols);
+        if (owns_rows) copy_rows<true>(sVt, state.stage, first_row, lane, params.pooled_v + head_offset, owned, params.cache_cols);
         pipeline_v.producer_commit_cp_async(state);
         state.advance();
       }

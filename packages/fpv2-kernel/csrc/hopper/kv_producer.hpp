@@ -3,10 +3,10 @@
 // bf16 pooled K/V rows of the mean correction.
 //
 // Block n of request b lives in page page_table[b][n / blocks_per_page] at row block n % blocks_per_page of
-// that page (page_size is a multiple of the 128-token tile, so a tile never straddles two pages); in the
+// that page (page_size is a multiple of the kBlockN-token tile, so a tile never straddles two pages); in the
 // (num_pages * page_size, Hkv * d) view of the cache that is row block page * blocks_per_page +
 // n % blocks_per_page. The next block's page id is read while the current tile is waiting for a free stage.
-// Pooled tile c of request b is rows pooled_block_offsets[b] + 128 c .. + 127 of the (total_blocks, Hkv * d)
+// Pooled tile c of request b is rows pooled_block_offsets[b] + kBlockN c .. + kBlockN - 1 of the (total_blocks, Hkv * d)
 // view of the pooled tensors; rows past the tensor are zero-filled by TMA, rows of the next request are
 // loaded but masked by the consumers. K and V have one pipeline each, with the same number of stages, so
 // one state indexes both.
@@ -51,7 +51,7 @@ struct KvProducer {
       return page * blocks_per_page + n_block % blocks_per_page;
     };
 
-    const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+    const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
     const int num_kept = schedule.num_kept;

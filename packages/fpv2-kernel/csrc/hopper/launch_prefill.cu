@@ -101,7 +101,14 @@ int32_t check_cache_view(const fpv2_tensor_t& cache, const char* name, int64_t p
 
 // The correction's pooled K/V are read by TMA as bf16 (total_blocks, Hkv * d) rows; the todo masks, when
 // given, are not read: the kernel derives the same bits from the block index (fpv2.h).
-int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_paged_batch_t& batch) {
+int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_paged_batch_t& batch, int64_t head_dim) {
+  if (fpv2::detail::plan_has_e4m3(plan) && prefill_kv_tile(static_cast<int>(head_dim)) != kKvTile) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                format("fpv2_correction_plan_t.pooled_k_e4m3: the Hopper kernel's FP8 correction is built for "
+                       "128-token KV tiles, not for the %d-token tiles of head dim d=%lld: pass the bf16 pooled "
+                       "statistics without the E4M3 copies",
+                       prefill_kv_tile(static_cast<int>(head_dim)), ll(head_dim)));
+  }
   if (fpv2::detail::plan_has_e4m3(plan)) {
     // The FP8 correction reads only the E4M3 copies (by TMA): pooled_k/pooled_v may stay float32.
     for (const fpv2_tensor_t* t : {&plan.pooled_k_e4m3, &plan.pooled_vt_e4m3}) {
@@ -146,11 +153,12 @@ int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_p
     return fail(FPV2_ERROR_UNSUPPORTED,
                 format("fpv2_correction_plan_t.block_size=%d: the Hopper kernel pools 128-token blocks", plan.block_size));
   }
-  if (int64_t(batch.max_seqlen_k) > int64_t(kMaxCorrectionBlocks) * kKvTile) {
+  const int max_blocks = max_correction_blocks(static_cast<int>(head_dim));
+  if (int64_t(batch.max_seqlen_k) > int64_t(max_blocks) * kKvTile) {
     return fail(FPV2_ERROR_UNSUPPORTED,
                 format("fpv2_paged_batch_t.max_seqlen_k=%d: the Hopper kernel's mean correction marks at most %d "
-                       "blocks (%lld tokens) per request",
-                       batch.max_seqlen_k, kMaxCorrectionBlocks, ll(int64_t(kMaxCorrectionBlocks) * kKvTile)));
+                       "blocks (%lld tokens) per request at head dim d=%lld",
+                       batch.max_seqlen_k, max_blocks, ll(int64_t(max_blocks) * kKvTile), ll(head_dim)));
   }
   return FPV2_OK;
 }
@@ -227,9 +235,6 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
                        "block_size 128",
                        args.index->block_size));
   }
-  if (args.correction != nullptr) {
-    FPV2_RETURN_IF_ERROR(check_pooled_statistics(*args.correction, batch));
-  }
   const fpv2_tensor_t& q = args.q;
   if (q.dtype != FPV2_DTYPE_BF16) {
     return fail(FPV2_ERROR_UNSUPPORTED,
@@ -243,6 +248,9 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
                 format("fpv2_prefill_args_t.q: head dim d=%lld has no compiled Hopper instantiation in this "
                        "build (built: d=%s); got %s",
                        ll(head_dim), prefill_head_dims_text().c_str(), describe(q).c_str()));
+  }
+  if (args.correction != nullptr) {
+    FPV2_RETURN_IF_ERROR(check_pooled_statistics(*args.correction, batch, head_dim));
   }
   const int64_t num_q_heads = q.shape[1];
   const int64_t num_kv_heads = args.k_cache.shape[2];
@@ -374,6 +382,8 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
       return run_prefill<64>(plan, stream);
     case 128:
       return run_prefill<128>(plan, stream);
+    case 256:
+      return run_prefill<256>(plan, stream);
     default:
       return fail(FPV2_ERROR_INTERNAL, format("fpv2 Hopper prefill: head dim d=%d is listed as built (d=%s) but has "
                                               "no dispatch",

@@ -13,10 +13,11 @@ namespace fpv2::hopper {
 // args.index, block-sparse over the CSR index with it, plus the mean correction with args.correction.
 //
 // Precondition: `args` passed fpv2::detail::validate_prefill_args (fpv2_prefill validates first).
-// Serves: bf16 q/k/v/out, the head dims of kPrefillHeadDims (prefill_instances.hpp: 64 and 128), any page
-// size (TMA tiles when page_size % 128 == 0, a cp.async gather otherwise), block_size 128, bf16 pooled
-// statistics (the todo masks, if given, are not read: the kernel derives the same bits), requests of at
-// most kMaxCorrectionBlocks blocks with the correction, caches whose pages stack into one row-major
+// Serves: bf16 q/k/v/out, the head dims of kPrefillHeadDims (prefill_instances.hpp: 64, 128 and 256), any
+// page size (TMA tiles when page_size is a multiple of the KV tile, prefill_kv_tile(d): 128, or 64 at
+// d = 256; a cp.async gather otherwise), block_size 128, bf16 pooled statistics (the todo masks, if given,
+// are not read: the kernel derives the same bits; the E4M3 copies at d <= 128 only), requests of at most
+// max_correction_blocks(d) blocks with the correction, caches whose pages stack into one row-major
 // (num_pages * page_size, Hkv * d) matrix, 16-byte aligned q/k/v and 4-byte aligned out, on a compute
 // capability 9.0 device. Anything else is refused with FPV2_ERROR_UNSUPPORTED (or
 // FPV2_ERROR_INVALID_ARGUMENT for misaligned data) and a message naming the argument (for a head dim

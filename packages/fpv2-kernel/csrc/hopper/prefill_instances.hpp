@@ -14,7 +14,7 @@ namespace fpv2::hopper {
 
 // Head dims with a compiled bf16 instantiation (instantiations/prefill_bf16_hd<d>.cu), ascending. Each runs
 // with the K/V stage count of prefill_stages() (prefill_traits.hpp).
-inline constexpr int kPrefillHeadDims[] = {64, 128};
+inline constexpr int kPrefillHeadDims[] = {64, 128, 256};
 
 inline constexpr bool prefill_head_dim_built(int head_dim) {
   for (int d : kPrefillHeadDims) {
@@ -23,7 +23,7 @@ inline constexpr bool prefill_head_dim_built(int head_dim) {
   return false;
 }
 
-// "64, 128": the built head dims, for messages and the build description.
+// "64, 128, 256": the built head dims, for messages and the build description.
 inline std::string prefill_head_dims_text() {
   std::string text;
   for (int d : kPrefillHeadDims) {
@@ -39,5 +39,6 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream);
 
 extern template int32_t run_prefill<64>(const PrefillPlan& plan, cudaStream_t stream);
 extern template int32_t run_prefill<128>(const PrefillPlan& plan, cudaStream_t stream);
+extern template int32_t run_prefill<256>(const PrefillPlan& plan, cudaStream_t stream);
 
 }  // namespace fpv2::hopper

@@ -4,10 +4,10 @@
 //
 // Grid: one CTA per (query tile of the longest request, KV head, request), 1-D; block: 384 threads (producer
 // warpgroup + two consumer warpgroups); one CTA per SM (prefill_smem_bytes(): 211 KB at d = 64, 227 KB at
-// d = 128, with the correction's 64 KB table of pending shifts). Slots past a request's last tile exit at once.
+// d = 128, 226 KB at d = 256, with the correction's table of pending shifts). Slots past a request's last tile exit at once.
 //
-// K/V reach shared memory by TMA when page_size is a multiple of 128 (kv_producer.hpp, one elected thread),
-// else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
+// K/V reach shared memory by TMA when page_size is a multiple of the KV tile (kv_producer.hpp, one elected
+// thread), else by a cp.async gather of the whole producer warpgroup (kv_gather_producer.hpp).
 //
 // Persistent mode (opt-in, FPV2_HOPPER_PERSISTENT=1; TMA path only): one CTA per SM walks the tiles in the
 // snake order of persistent_order.hpp, so the producer fills the next tile's stages (its schedule and page
@@ -19,11 +19,15 @@
 // Overlapped consumers (the default; FPV2_HOPPER_OVERLAP=0 turns them off; consumer_mainloop.hpp): a third
 // instantiation, one CTA per tile.
 //
+// Head dim 256 walks KV tiles of 64 tokens, two per index block (prefill_kv_tile, BlockSchedule): Q and two
+// stages of 128-token tiles would exceed one CTA's shared memory, and a 128-token tile's scores would not fit
+// in the consumers' registers beside O's 128 accumulators. The correction's pooled tiles are then 64 pooled
+// rows each; the FP8 pooled products are built for 128-token tiles only.
+//
 // Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
-// split-KV, head dim 256 (Q and two 128-row K/V stages exceed one CTA's shared memory: it needs another
-// tiling), FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
-// pooled statistics: kPooledE4M3, overlapped consumers only). Head dims 64 and 128 are instantiated (prefill_instances.hpp), each with the K/V stages of
-// prefill_stages().
+// split-KV, FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
+// pooled statistics: kPooledE4M3, overlapped consumers only). Head dims 64, 128 and 256 are instantiated
+// (prefill_instances.hpp), each with the K/V stages of prefill_stages().
 #pragma once
 
 #include <cstdint>
@@ -56,8 +60,9 @@ namespace fpv2::hopper {
 template <class Traits, bool kPersistent, bool kOverlap, bool kPooledE4M3 = false>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
+  static_assert(!kPooledE4M3 || Traits::kPooledE4M3Built, "the FP8 pooled products need 128-token KV tiles");
   using Storage = PrefillSharedStorage<Traits>;
-  using Geometry = TileGeometry<Traits::kBlockM, Traits::kBlockN>;
+  using Geometry = TileGeometry<Traits::kBlockM, Traits::kBlockN, Traits::kBlockSize>;
   using Pipeline = KvPipeline<Traits::kStages>;
 
   extern __shared__ char smem_raw[];
@@ -155,10 +160,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       } else if (kOverlap && params.has_correction) {
         // Warps 1..3 are idle on the TMA path: they fill the correction's table for the overlapped
         // consumers (consumer_mainloop.hpp waits for it at the first pooled tile).
-        const BlockSchedule schedule = BlockSchedule::make(params, tile, Traits::kBlockN);
+        const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
         if (schedule.num_correction > 0) {
           CorrectionMask<Traits>::build_by_producer(smem.pending_shifts, params, schedule,
-                                                    params.pooled_block_offsets[tile.request], tile.n_block_masked,
+                                                    params.pooled_block_offsets[tile.request], tile.n_pooled_eligible,
                                                     CorrectionMask<Traits>::log2_to_raw(params),
                                                     int(threadIdx.x) - 32);
         }

@@ -168,11 +168,19 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       cutlass::FastDivmod(plan.num_kv_heads),
   };
 
-  // The launcher sends the E4M3 copies only with the overlapped consumers (launch_prefill.cu).
-  auto kernel = pooled_e4m3    ? prefill_kernel<Traits, false, true, true>
-                : persistent   ? (plan.overlap ? prefill_kernel<Traits, true, true> : prefill_kernel<Traits, true, false>)
+  // The launcher sends the E4M3 copies only with the overlapped consumers, and only to the instantiations
+  // of 128-token tiles (launch_prefill.cu); the others do not build that variant.
+  auto kernel = persistent     ? (plan.overlap ? prefill_kernel<Traits, true, true> : prefill_kernel<Traits, true, false>)
                 : plan.overlap ? prefill_kernel<Traits, false, true>
                                : prefill_kernel<Traits, false, false>;
+  if constexpr (Traits::kPooledE4M3Built) {
+    if (pooled_e4m3) kernel = prefill_kernel<Traits, false, true, true>;
+  } else if (pooled_e4m3) {
+    return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
+                              fpv2::detail::format("fpv2 Hopper prefill: E4M3 pooled copies sent to the d=%d "
+                                                   "instantiation, which does not build the FP8 correction",
+                                                   kHeadDim));
+  }
   const int smem_bytes = static_cast<int>(prefill_smem_bytes<Traits>());
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) {

@@ -7,9 +7,16 @@
 
 namespace fpv2::hopper {
 
-// Blocks below n_block_masked that one tile's mean correction can mark as kept (a shared-memory bitmap):
-// 2^21 tokens at 128-token blocks. The launcher refuses longer requests when the correction is on.
-inline constexpr int kMaxCorrectionBlocks = 16384;
+// Pooled rows (128-token blocks) that one tile's mean correction can cover: the size of its shared-memory
+// table of shifts (correction_mask.hpp). 16384 (2^21 tokens) up to d = 128; 8192 (2^20 tokens) at d = 256,
+// whose Q tile leaves room for half the table only (prefill_traits.hpp). The launcher refuses longer
+// requests when the correction is on.
+constexpr int max_correction_blocks(int head_dim) { return head_dim == 256 ? 8192 : 16384; }
+
+// KV tokens per K/V tile of the instantiation for `head_dim` (PrefillTraits::kBlockN): the whole 128-token
+// block up to d = 128, half of it at d = 256, where the consumers' registers hold 128 fp32 accumulators of
+// O and a 128-token tile's scores would not fit beside them (prefill_traits.hpp).
+constexpr int prefill_kv_tile(int head_dim) { return head_dim == 256 ? 64 : 128; }
 
 struct PrefillPlan {
   // Queries and outputs (total_q, Hq, d), lse (total_q, Hq) or nullptr; strides in elements.

@@ -2,14 +2,17 @@
 // register budgets, the two warpgroup MMAs and the shared-memory layouts they read.
 //
 // One CTA computes one PackGQA query tile: kBlockM = 128 packed rows of one KV head (FPV2_KERNEL_TILE_SIZE)
-// against the request's visible KV blocks of kBlockN = 128 tokens. Three warpgroups:
+// against the request's visible KV blocks of kBlockSize = 128 tokens (the index's and the correction's
+// block), loaded and multiplied as KV tiles of kBlockN tokens: the whole block (kBlockN = 128) at d <= 128,
+// half a block (kBlockN = 64) at d = 256, where a 128-token tile's scores would not fit in the consumers'
+// registers beside the 128 fp32 accumulators of O, nor two stages of it in shared memory. Three warpgroups:
 //   WG0      producer: one elected thread issues the TMA loads of K and V tiles from the paged cache (or, for
-//            pages that are not a multiple of 128, the whole warpgroup gathers them with cp.async);
+//            pages that are not a multiple of kBlockN, the whole warpgroup gathers them with cp.async);
 //   WG1, WG2 consumers: each owns 64 of the 128 query rows (QK^T SS wgmma, online softmax, PV RS wgmma).
-// This first step is neither persistent nor pingponged; see prefill_kernel.hpp for what comes next.
+// prefill_kernel.hpp describes the schedules (overlapped consumers, persistent CTAs) built on these.
 //
-// Head dims: the layouts, MMAs and copies below are written for any multiple of 64; the compiled ones are
-// listed in prefill_instances.hpp, each with the stage count of prefill_stages().
+// Head dims: the layouts, MMAs and copies below are written for any multiple of 64 up to 256; the compiled
+// ones are listed in prefill_instances.hpp, each with the stage count of prefill_stages().
 #pragma once
 
 #include <cute/arch/mma_sm90.hpp>
@@ -22,22 +25,27 @@
 #include <cutlass/float8.h>
 
 #include "fpv2/fpv2.h"
+#include "hopper/prefill_plan.hpp"
 
 namespace fpv2::hopper {
 
 // K/V pipeline stages of the instantiation for `head_dim`, from the shared-memory budget. One CTA runs per
 // SM (its 384 threads take the whole register file), so the storage may use the opt-in limit of 227 KB
 // (232448 bytes); prefill_launch.hpp asserts it. PrefillSharedStorage holds, besides the stages, the Q tile
-// (128 x d bf16), the correction's per-tile table of kMaxCorrectionBlocks float shifts (64 KB), the
-// shared-rows gather's row table (1 KB), the barriers, the rounding of the 1024-byte aligned struct and 1 KB
-// of slack to align its base. A stage is one K and one V tile of 128 x d bf16: 64 KB at d = 128, 32 KB at
-// d = 64.
+// (128 x d bf16), the correction's per-tile table of max_correction_blocks(d) float shifts (prefill_plan.hpp:
+// 64 KB, 32 KB at d = 256), the shared-rows gather's row table (2 x kBlockN words), the barriers, the
+// rounding of the 1024-byte aligned struct and 1 KB of slack to align its base. A stage is one K and one V
+// tile of kBlockN x d bf16: 64 KB at d = 128 and at d = 256 (64-token tiles), 32 KB at d = 64.
 //   d = 128: 32 KB of Q + 64 KB + 2 stages = 227 KB, the limit; a third stage never fits.
 //   d = 64:  16 KB of Q + 64 KB + 4 stages = 211 KB; a fifth stage does not fit. Four stages keep the
 //            d = 128 instantiation's 128 KB of K/V in flight, three tiles ahead of the consumers (each tile
 //            half as long as at d = 128).
-//   other:   0 (none chosen): at d = 256 the Q tile and two 128 KB stages alone exceed the limit.
-constexpr int prefill_stages(int head_dim) { return head_dim == 64 ? 4 : (head_dim == 128 ? 2 : 0); }
+//   d = 256: 64 KB of Q + 32 KB + 2 stages = 226 KB; with the 64 KB table of the other head dims it would
+//            not fit, hence the smaller table (requests up to 2^20 tokens with the correction).
+//   other:   0 (none chosen).
+constexpr int prefill_stages(int head_dim) {
+  return head_dim == 64 ? 4 : (head_dim == 128 || head_dim == 256 ? 2 : 0);
+}
 
 template <int kHeadDim_, int kStages_ = 2>
 struct PrefillTraits {
@@ -46,9 +54,13 @@ struct PrefillTraits {
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // packed query rows per tile (PackGQA)
-  static constexpr int kBlockN = 128;  // KV tokens per tile; the paged TMA path needs page_size % kBlockN == 0
+  static constexpr int kBlockSize = 128;  // KV tokens per block of the index and of the correction's pooling
+  static constexpr int kBlockN = prefill_kv_tile(kHeadDim_);  // KV tokens per tile; the paged TMA path needs
+                                                              // page_size % kBlockN == 0
+  static constexpr int kTilesPerBlock = kBlockSize / kBlockN;
   static constexpr int kStages = kStages_;
   static_assert(kBlockM == FPV2_KERNEL_TILE_SIZE, "the query tile must be the index's tile (ALGORITHM.md section 2)");
+  static_assert(kBlockSize % kBlockN == 0, "a block is a whole number of KV tiles");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims are multiples of the 64-element swizzle atom");
   static_assert(kStages >= 2, "one stage would serialise the producer and the consumers");
 
@@ -65,8 +77,8 @@ struct PrefillTraits {
   // thread of a warpgroup): a consumer's setmaxnreg.inc waits for registers the producer's .dec gave back,
   // so a budget over the launch allocation hangs the CTA. The producer keeps 32 (at 24 the cp.async gather
   // producer spilled 12-40 bytes, ptxas 2026-12-01) and each consumer thread 232, enough for its d / 2 O
-  // accumulators (64 at d = 128, 32 at d = 64), 64 S accumulators and the 32 registers of P without
-  // spilling: 32 + 2 * 232 = 496 <= 504.
+  // accumulators (64 at d = 128, 32 at d = 64, 128 at d = 256), kBlockN / 2 S accumulators (64, or 32 at
+  // d = 256) and the kBlockN / 4 registers of P without spilling: 32 + 2 * 232 = 496 <= 504.
   static constexpr int kLaunchRegisters = 168;
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
@@ -122,15 +134,21 @@ struct PrefillTraits {
                                  cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>>());
   using TiledMmaQKE4M3 = decltype(cute::make_tiled_mma(MmaAtomQKE4M3{}, ConsumerAtomLayout{}));
   using TiledMmaPVE4M3 = decltype(cute::make_tiled_mma(MmaAtomPVE4M3{}, ConsumerAtomLayout{}));
-  // The widest swizzle a row allows: d bytes for pooled K (64 or 128), 128 bytes (kBlockN keys) for V^T.
+  // The widest swizzle a row allows: d bytes for pooled K (64, 128 or more), kBlockN bytes (keys) for V^T.
+  // Only kBlockN = 128 tiles are launched with the E4M3 copies (kPooledE4M3Built); the layouts of the other
+  // tiles exist so that every instantiation compiles the same consumer code.
   using SmemLayoutAtomKE4M3 = std::conditional_t<kHeadDim % 128 == 0, cute::GMMA::Layout_K_SW128_Atom<ElementE4M3>,
                                                  cute::GMMA::Layout_K_SW64_Atom<ElementE4M3>>;
   using SmemLayoutKE4M3Stage = decltype(cute::tile_to_shape(SmemLayoutAtomKE4M3{},
                                                             cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutVtE4M3Stage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElementE4M3>{},
+  using SmemLayoutAtomVtE4M3 = std::conditional_t<kBlockN % 128 == 0, cute::GMMA::Layout_K_SW128_Atom<ElementE4M3>,
+                                                  cute::GMMA::Layout_K_SW64_Atom<ElementE4M3>>;
+  using SmemLayoutVtE4M3Stage = decltype(cute::tile_to_shape(SmemLayoutAtomVtE4M3{},
                                                              cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}));
   static constexpr int kTileBytesE4M3 = kBlockN * kHeadDim;
-  static_assert(kBlockN == 128, "a V^T row of pooled keys is one 128-byte swizzle row");
+  // The FP8 pooled products are built for 128-token tiles (a V^T row of pooled keys is one 128-byte swizzle
+  // row); the launcher refuses the E4M3 copies at other tiles.
+  static constexpr bool kPooledE4M3Built = kBlockN == 128;
 
   static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesV = kBlockN * kHeadDim * int(sizeof(Element));

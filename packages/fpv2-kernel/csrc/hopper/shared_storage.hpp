@@ -25,7 +25,7 @@ struct PrefillSharedStorage {
   alignas(kSmemTileAlignment) Element v[cute::cosize_v<typename Traits::SmemLayoutVt>];
   KvPipelineStorage<Traits::kStages> pipeline_k;
   KvPipelineStorage<Traits::kStages> pipeline_v;
-  PendingShiftsStorage pending_shifts;  // mean correction only
+  PendingShiftsFor<Traits> pending_shifts;  // mean correction only
   int32_t gather_rows[2][Traits::kBlockN];  // shared-rows gather only: cache row of each token of a tile
 };
 

@@ -10,14 +10,20 @@
 //                                                         below it are fully visible to every row.
 // The kernel walks the blocks backwards, n_block_max - 1 down to 0, so the masked blocks come first.
 // Columns >= seqlens_k[b] lie above prefix + p_last and are therefore always in the masked band.
+// The "blocks" here are the kernel's KV tiles of kBlockN tokens. The index and the correction count in blocks
+// of kBlockSize >= kBlockN tokens (128; at d = 256 a tile is half a block):
+//   n_pooled_eligible = (prefix + p_first) / kBlockSize   index blocks fully visible to every row of the tile,
+//                                                         the ones the correction may stand in for
+//                                                         (n_block_masked when kBlockSize == kBlockN).
 #pragma once
 
 #include <cstdint>
 
 namespace fpv2::hopper {
 
-template <int kBlockM, int kBlockN>
+template <int kBlockM, int kBlockN, int kBlockSize = kBlockN>
 struct TileGeometry {
+  static_assert(kBlockSize % kBlockN == 0, "an index block is a whole number of KV tiles");
   __host__ __device__ __forceinline__ static int smaller(int a, int b) { return a < b ? a : b; }
 
   int request;
@@ -31,6 +37,7 @@ struct TileGeometry {
   int row_begin;  // first packed row of the tile
   int n_block_max;
   int n_block_masked;
+  int n_pooled_eligible;
 
   // Reads the request's lengths (every thread reads the same few words: they stay in L1). Host-callable
   // with host arrays, for the native geometry checks.
@@ -52,9 +59,11 @@ struct TileGeometry {
       const int p_last = row_last / group;
       t.n_block_max = (t.prefix + p_last) / kBlockN + 1;
       t.n_block_masked = (t.prefix + p_first) / kBlockN;
+      t.n_pooled_eligible = (t.prefix + p_first) / kBlockSize;
     } else {
       t.n_block_max = 0;
       t.n_block_masked = 0;
+      t.n_pooled_eligible = 0;
     }
     return t;
   }

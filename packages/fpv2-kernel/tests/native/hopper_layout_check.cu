@@ -14,7 +14,12 @@
 //      swizzled pointers into a 1024-byte aligned buffer, in every stage, and chunk k of a 64-element
 //      segment is chunk 0 XOR 8 k elements (the row gather's per-chunk addresses);
 //   4. TileGeometry's block range against brute force over every row and column: n_block_max is exact, no
-//      block below n_block_masked hides a column from any row, and the tail-block test matches.
+//      block below n_block_masked hides a column from any row, and the tail-block test matches; the
+//      correction's eligible index blocks (n_pooled_eligible) are fully visible, for 128-token tiles and for
+//      the 64-token tiles of d = 256;
+//   5. BlockSchedule over random CSR segments: with 64-token tiles (two per index block, d = 256) it visits
+//      exactly the visible tiles of the kept blocks, each once, in descending order, and every kept block at
+//      least once; with 128-token tiles, the kept blocks themselves.
 // Checks 1-3 run for the traits of every built head dim (kPrefillHeadDims), which also prints the shared
 // memory each instantiation asks for. Prints the layouts it used and exits 1 if any check failed.
 #include <algorithm>
@@ -35,6 +40,7 @@
 #include "hopper/shared_copy.hpp"
 #include "hopper/shared_storage.hpp"
 #include "hopper/persistent_order.hpp"
+#include "hopper/block_schedule.hpp"
 #include "hopper/tile_geometry.hpp"
 
 using namespace cute;
@@ -286,8 +292,9 @@ void check_smem_chunks() {
 
 template <class Traits>
 void check_geometry() {
-  using Geometry = fpv2::hopper::TileGeometry<Traits::kBlockM, Traits::kBlockN>;
+  using Geometry = fpv2::hopper::TileGeometry<Traits::kBlockM, Traits::kBlockN, Traits::kBlockSize>;
   constexpr int N = Traits::kBlockN;
+  constexpr int kBlock = Traits::kBlockSize;
   std::mt19937 rng(1234);
   const int groups[] = {1, 2, 3, 4, 5, 6, 8, 16};
   int tiles = 0;
@@ -319,6 +326,13 @@ void check_geometry() {
              q_len, group, m);
       expect(g.n_block_masked <= g.n_block_max - 1, "at least the last block is masked: q_len, group, m", q_len,
              group, m);
+      // The correction's eligible blocks: the reference's count (first row's limit / block), fully visible.
+      expect(g.n_pooled_eligible == (prefix + (m * Traits::kBlockM) / group) / kBlock,
+             "n_pooled_eligible = first row's limit / block: q_len, group, m", q_len, group, m);
+      expect(g.n_pooled_eligible * kBlock - 1 <= min_limit, "eligible blocks fully visible: q_len, group, m", q_len,
+             group, m);
+      expect(g.n_pooled_eligible * (kBlock / N) <= g.n_block_masked, "eligible blocks lie below the masked band",
+             q_len, group, m);
       // Rows past the request (zero-filled) never see a column at or past seqlen_k.
       expect(g.column_limit(num_rows + 5, group) <= seqlens_k[0] - 1, "padding rows clamp: q_len, group, m", q_len,
              group, m);
@@ -333,6 +347,67 @@ void check_geometry() {
     }
   }
   std::printf("geometry: %d tiles checked\n", tiles);
+}
+
+// The few fields of the kernel parameters that BlockSchedule::make reads.
+struct ScheduleParams {
+  const int32_t* index_offsets;
+  const int32_t* index_blocks;
+  const int32_t* index_tile_offsets;
+  int num_kv_heads;
+  int has_correction;
+};
+
+// BlockSchedule against the set it must visit: random ascending CSR segments of visible blocks (the
+// diagonal block always kept, as the index forces it), one request, one KV head.
+template <class Traits>
+void check_schedule() {
+  using Geometry = fpv2::hopper::TileGeometry<Traits::kBlockM, Traits::kBlockN, Traits::kBlockSize>;
+  using Schedule = fpv2::hopper::BlockScheduleFor<Traits>;
+  constexpr int kTiles = Traits::kTilesPerBlock;
+  std::mt19937 rng(99 + Traits::kHeadDim);
+  int visited = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int group = 1 << (rng() % 4);
+    const int q_len = 1 + int(rng() % 900);
+    const int prefix = (trial % 3 == 0) ? 0 : int(rng() % 700);
+    const int32_t cu[2] = {0, q_len};
+    const int32_t seqlens_k[1] = {prefix + q_len};
+    const int num_tiles = (q_len * group + Traits::kBlockM - 1) / Traits::kBlockM;
+    std::vector<int32_t> offsets{0}, blocks;
+    for (int m = 0; m < num_tiles; ++m) {
+      const Geometry g = Geometry::load(0, 0, m, group, cu, seqlens_k);
+      const int last_block = (g.n_block_max - 1) / kTiles;  // the diagonal index block
+      for (int j = 0; j < last_block; ++j) {
+        if (rng() % 3 == 0) blocks.push_back(j);
+      }
+      blocks.push_back(last_block);
+      offsets.push_back(int32_t(blocks.size()));
+    }
+    const int32_t tile_offsets[2] = {0, num_tiles};
+    const ScheduleParams params{offsets.data(), blocks.data(), tile_offsets, 1, 1};
+    for (int m = 0; m < num_tiles; ++m) {
+      const Geometry g = Geometry::load(0, 0, m, group, cu, seqlens_k);
+      const Schedule s = Schedule::make(params, g, Traits::kBlockN);
+      std::vector<int> expected;
+      for (int k = offsets[m + 1] - 1; k >= offsets[m]; --k) {
+        for (int t = kTiles - 1; t >= 0; --t) {
+          const int n = blocks[k] * kTiles + t;
+          if (n < g.n_block_max) expected.push_back(n);
+        }
+      }
+      expect(s.num_kept == int(expected.size()), "schedule length: tile, kept tiles, expected", m, s.num_kept,
+             long(expected.size()));
+      expect(s.num_kept_blocks == offsets[m + 1] - offsets[m], "schedule's kept block count: tile", m);
+      for (int i = 0; i < std::min(s.num_kept, int(expected.size())); ++i) {
+        expect(s.block(i) == expected[i], "schedule's i-th tile: i, got, expected", i, s.block(i), expected[i]);
+      }
+      expect(s.num_correction == (g.n_pooled_eligible + Traits::kBlockN - 1) / Traits::kBlockN,
+             "pooled tiles cover the eligible blocks: tile", m);
+      visited += s.num_kept;
+    }
+  }
+  std::printf("schedule: %d KV tiles of %d tokens checked\n", visited, Traits::kBlockN);
 }
 
 // The persistent CTAs' snake order: every tile exactly once over all CTAs and waves, and, for tiles of
@@ -390,10 +465,16 @@ int check_head_dim() {
   char title[160];
   std::snprintf(title, sizeof(title), "--- d=%d: tile %dx%d, %d K/V stages, %zu bytes of shared memory", kHeadDim,
                 Traits::kBlockM, Traits::kBlockN, Traits::kStages, fpv2::hopper::prefill_smem_bytes<Traits>());
-  return run_checks(title, {{"P registers as PV A operand", check_p_operand<Traits>},
-                            {"S/O rows and epilogue pairs", check_rows<Traits>},
-                            {"FP8 pooled operands (Q, P, V^T slots)", check_e4m3_operands<Traits>},
-                            {"shared-memory 16-byte chunks", check_smem_chunks<Traits>}});
+  if constexpr (Traits::kPooledE4M3Built) {
+    return run_checks(title, {{"P registers as PV A operand", check_p_operand<Traits>},
+                              {"S/O rows and epilogue pairs", check_rows<Traits>},
+                              {"FP8 pooled operands (Q, P, V^T slots)", check_e4m3_operands<Traits>},
+                              {"shared-memory 16-byte chunks", check_smem_chunks<Traits>}});
+  } else {  // no FP8 correction at this tile (the launcher refuses the E4M3 copies)
+    return run_checks(title, {{"P registers as PV A operand", check_p_operand<Traits>},
+                              {"S/O rows and epilogue pairs", check_rows<Traits>},
+                              {"shared-memory 16-byte chunks", check_smem_chunks<Traits>}});
+  }
 }
 
 // Every built head dim must have its case here.
@@ -403,6 +484,8 @@ int check_built_head_dim(int head_dim) {
       return check_head_dim<64>();
     case 128:
       return check_head_dim<128>();
+    case 256:
+      return check_head_dim<256>();
     default:
       std::printf("FAIL d=%d is built (kPrefillHeadDims) but has no layout check\n", head_dim);
       return 1;
@@ -416,10 +499,17 @@ int main() {
               fpv2::hopper::prefill_head_dims_text().c_str());
   int failed = 0;
   for (int d : fpv2::hopper::kPrefillHeadDims) failed += check_built_head_dim(d);
-  // The tile geometry does not depend on the head dim.
-  using AnyTraits = fpv2::hopper::PrefillTraitsFor<fpv2::hopper::kPrefillHeadDims[0]>;
-  failed += run_checks("--- tile geometry", {{"tile geometry vs brute force", check_geometry<AnyTraits>},
-                                             {"persistent tile order", check_persistent_order}});
+  // The tile geometry and the schedule depend on the head dim only through the KV tile: 128 tokens (d <= 128)
+  // or 64 (d = 256, two tiles per index block).
+  using WholeBlockTiles = fpv2::hopper::PrefillTraitsFor<128>;
+  using HalfBlockTiles = fpv2::hopper::PrefillTraitsFor<256>;
+  static_assert(WholeBlockTiles::kTilesPerBlock == 1 && HalfBlockTiles::kTilesPerBlock == 2, "the two tilings");
+  failed += run_checks("--- tile geometry and schedule",
+                       {{"tile geometry vs brute force, 128-token tiles", check_geometry<WholeBlockTiles>},
+                        {"tile geometry vs brute force, 64-token tiles", check_geometry<HalfBlockTiles>},
+                        {"block schedule, 128-token tiles", check_schedule<WholeBlockTiles>},
+                        {"block schedule, 64-token tiles", check_schedule<HalfBlockTiles>},
+                        {"persistent tile order", check_persistent_order}});
   std::printf("layout check: %s (%d failed check(s))\n", failed ? "FAIL" : "PASS", failed);
   return failed ? 1 : 0;
 }

@@ -37,6 +37,7 @@
 #include "error_stats.cuh"
 #include "hopper/launch_prefill.hpp"
 #include "hopper/prefill_instances.hpp"
+#include "hopper/prefill_plan.hpp"
 #include "paged_case.cuh"
 #include "reference_attention.cuh"
 #include "sparse_case.cuh"
@@ -107,12 +108,15 @@ bool e4m3_refused_by_schedule() {
   return is("FPV2_HOPPER_PERSISTENT", "1") || is("FPV2_HOPPER_OVERLAP", "0") || is("FPV2_HOPPER_PINGPONG", "1");
 }
 
-// The E4M3 variant refused as e4m3_refused_by_schedule() says it must be: reported as skipped, not failed (any
-// other refusal, or this one under the default schedule, is a failure).
-bool skipped_by_design(int variant, int32_t status, const std::string& what) {
-  if (variant != 3 || status != FPV2_ERROR_UNSUPPORTED || !e4m3_refused_by_schedule()) return false;
-  std::printf("[SKIP] %s: the FP8 pooled products are refused under this consumer schedule (by design)\n",
-              what.c_str());
+// The E4M3 variant refused as e4m3_refused_by_schedule() says it must be, or at a head dim whose KV tiles are
+// not 128 tokens (d = 256: the FP8 correction is not built there): reported as skipped, not failed (any other
+// refusal, or this one under the default schedule at d <= 128, is a failure).
+bool skipped_by_design(int variant, int32_t status, const std::string& what, int head_dim) {
+  if (variant != 3 || status != FPV2_ERROR_UNSUPPORTED) return false;
+  const bool by_tile = fpv2::hopper::prefill_kv_tile(head_dim) != 128;
+  if (!by_tile && !e4m3_refused_by_schedule()) return false;
+  std::printf("[SKIP] %s: the FP8 pooled products are refused %s (by design)\n", what.c_str(),
+              by_tile ? "at this head dim's 64-token KV tiles" : "under this consumer schedule");
   return true;
 }
 
@@ -125,6 +129,9 @@ bool launch_reference(int head_dim, unsigned blocks, const nt::ReferenceProblem&
       return true;
     case 128:
       nt::reference_attention<128><<<blocks, 32>>>(p, tokens, num_tokens, out_ref, lse_ref);
+      return true;
+    case 256:
+      nt::reference_attention<256><<<blocks, 32>>>(p, tokens, num_tokens, out_ref, lse_ref);
       return true;
     default:
       return false;
@@ -242,7 +249,8 @@ int run_case(const nt::CaseSpec& spec, cudaStream_t stream, double keep = 0.3) {
     c.poison_outputs();
     Outcome o;
     const int32_t status = run_kernel(c, sparse.get(), stream, &o.kernel_ms);
-    if (skipped_by_design(variant, status, spec.name + " d=" + std::to_string(spec.head_dim) + " sparse+corr8")) {
+    if (skipped_by_design(variant, status, spec.name + " d=" + std::to_string(spec.head_dim) + " sparse+corr8",
+                          spec.head_dim)) {
       continue;
     }
     if (status != FPV2_OK) {
@@ -331,25 +339,25 @@ fpv2_block_index_t fake_index(int block_size) {
   return x;
 }
 
-fpv2_correction_plan_t fake_plan(int32_t pooled_dtype) {
+fpv2_correction_plan_t fake_plan(int32_t pooled_dtype, int64_t d = 128) {
   const void* fake = reinterpret_cast<const void*>(uintptr_t(1) << 20);
   fpv2_correction_plan_t p{};
   p.struct_size = sizeof(p);
   p.chunk_size = FPV2_CORRECTION_CHUNK;
   p.block_size = 128;
-  p.pooled_k = nt::make_tensor_desc(fake, pooled_dtype, {3, 2, 128}, {256, 128, 1});
+  p.pooled_k = nt::make_tensor_desc(fake, pooled_dtype, {3, 2, d}, {2 * d, d, 1});
   p.pooled_v = p.pooled_k;
   p.block_lengths = nt::make_tensor_desc(fake, FPV2_DTYPE_I32, {3}, {1});
   p.block_offsets = nt::make_tensor_desc(fake, FPV2_DTYPE_I32, {2}, {1});
   return p;
 }
 
-// fake_plan(F32) with E4M3 copies (16 rows, B = 1, Hkv = 2, d = 128).
-fpv2_correction_plan_t fake_plan_e4m3() {
+// fake_plan(F32) with E4M3 copies (16 rows, B = 1, Hkv = 2, head dim d).
+fpv2_correction_plan_t fake_plan_e4m3(int64_t d = 128) {
   const void* fake = reinterpret_cast<const void*>(uintptr_t(1) << 20);
-  fpv2_correction_plan_t p = fake_plan(FPV2_DTYPE_F32);
-  p.pooled_k_e4m3 = nt::make_tensor_desc(fake, FPV2_DTYPE_E4M3, {16, 2, 128}, {256, 128, 1});
-  p.pooled_vt_e4m3 = nt::make_tensor_desc(fake, FPV2_DTYPE_E4M3, {2, 128, 16}, {2048, 16, 1});
+  fpv2_correction_plan_t p = fake_plan(FPV2_DTYPE_F32, d);
+  p.pooled_k_e4m3 = nt::make_tensor_desc(fake, FPV2_DTYPE_E4M3, {16, 2, d}, {2 * d, d, 1});
+  p.pooled_vt_e4m3 = nt::make_tensor_desc(fake, FPV2_DTYPE_E4M3, {2, d, 16}, {16 * d, 16, 1});
   p.e4m3_offsets = nt::make_tensor_desc(fake, FPV2_DTYPE_I32, {2}, {1});
   p.e4m3_scales = nt::make_tensor_desc(fake, FPV2_DTYPE_F32, {1, 2, 2}, {4, 2, 1});
   return p;
@@ -426,6 +434,15 @@ int run_refusals() {
        },
        128,
        {"TMA path only", "page_size=64"}},
+      {"E4M3 pooled copies at d=256 (64-token KV tiles)", FPV2_ERROR_UNSUPPORTED,
+       [](fpv2_prefill_args_t& a, fpv2_paged_batch_t&) {
+         static fpv2_block_index_t index = fake_index(128);
+         static fpv2_correction_plan_t plan = fake_plan_e4m3(256);
+         a.index = &index;
+         a.correction = &plan;
+       },
+       256,
+       {"128-token KV tiles", "d=256"}},
   };
   // Every head dim the ABI accepts without an instantiation here: refused by name, with the built ones.
   for (int d : {64, 128, 256}) {
@@ -522,7 +539,7 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       c.poison_outputs();
       const int32_t status = time_kernel(c, sparse.get(), repeats, stream, &times);
       if (skipped_by_design(variant, status, "timing L=" + std::to_string(L) + " d=" + std::to_string(head_dim) +
-                                                 " " + impl)) {
+                                                 " " + impl, head_dim)) {
         continue;
       }
       if (status != FPV2_OK) {

@@ -135,8 +135,8 @@ def hopper_prefill(
 
     Tensors must live on the CUDA device of ``q``; the call is asynchronous on
     ``stream``. The kernel serves bf16 inputs at the head dims it was built for
-    (:func:`hopper_head_dims`: 64 and 128), any page size (TMA tiles when it is a
-    multiple of 128, a ``cp.async`` gather otherwise), block size 128, on sm_90
+    (:func:`hopper_head_dims`: 64, 128 and 256), any page size (TMA tiles when it is a
+    multiple of the KV tile, 128 tokens or 64 at d=256; a ``cp.async`` gather otherwise), block size 128, on sm_90
     devices; anything else is refused with :class:`UnsupportedConfigurationError`
     and a message naming the argument (for a head dim without an instantiation,
     the head dim and the built ones; nothing is launched). The plan's float32 pooled K/V are handed over as a
