@@ -47,19 +47,21 @@ VARIANT_BUDGETS = {
 #: The d=128 persistent overlapped consumers (opt-in, measured slower than one CTA per tile) with the 16-byte
 #: epilogue stores (2026-12-01, seventh session): 40 B stack, 40 / 104 B of spills, the epilogue's shuffles and
 #: stores beside the next tile's state; 0 / 0 with the 4-byte stores before.
-#: d=256 (64-token KV tiles, 128 fp32 accumulators of O per consumer thread; 2026-12-01, eighth session, at
-#: producer / consumer registers 32 / 232): the one-CTA-per-tile consumers 16 B stack, 12 / 12 B of spills;
-#: the overlapped ones (the default, measured 12% faster dense than the others) 96 B stack, 128 / 136 B; the
-#: opt-in persistent instantiations more (104 B / 168 / 260 B, and 304 B / 548 / 960 B overlapped). No FP8
-#: pooled-product instantiation at d=256 (the launcher refuses the E4M3 copies there).
+#: d=256 (64-token KV tiles, 128 fp32 accumulators of O per consumer thread; 2026-12-01, eighth session), at
+#: its own producer / consumer registers 24 / 240: the one-CTA-per-tile consumers 8 B stack, 4 / 4 B of spills;
+#: the overlapped ones (the default, 12% faster dense than the others) 56 B stack, 56 / 64 B; the opt-in
+#: persistent instantiations more (88 B / 208 / 296 B, and 280 B / 488 / 884 B overlapped). At 32 / 232 the
+#: overlapped consumers had 96 B / 128 / 136 B and measured 2.4% slower with the correction at 128K, 1% faster
+#: dense (benchmarks/NOTES.md). No FP8 pooled-product instantiation at d=256 (the launcher refuses the E4M3
+#: copies there).
 BUDGET_EXCEPTIONS = {
     (128, "overlap"): (32, 40),
     (128, "overlap-e4m3"): (80, 100),
     (128, "persistent-overlap"): (40, 104),
-    (256, "default"): (16, 12),
-    (256, "overlap"): (96, 136),
-    (256, "persistent"): (104, 260),
-    (256, "persistent-overlap"): (304, 960),
+    (256, "default"): (8, 4),
+    (256, "overlap"): (56, 64),
+    (256, "persistent"): (88, 296),
+    (256, "persistent-overlap"): (280, 884),
 }
 BUDGETS = {
     (head_dim, variant): BUDGET_EXCEPTIONS.get((head_dim, variant), budget)

@@ -79,9 +79,12 @@ struct PrefillTraits {
   // producer spilled 12-40 bytes, ptxas 2026-12-01) and each consumer thread 232, enough for its d / 2 O
   // accumulators (64 at d = 128, 32 at d = 64, 128 at d = 256), kBlockN / 2 S accumulators (64, or 32 at
   // d = 256) and the kBlockN / 4 registers of P without spilling: 32 + 2 * 232 = 496 <= 504.
+  // At d = 256 (O alone is 128 registers) the consumers take 240 and the producer 24 (24 + 2 * 240 = 504):
+  // the overlapped consumers' spills drop from 136 to 64 bytes and the corrected 128K timing by 2.4% (dense
+  // 1% slower; NOTES.md, 2026-12-01, eighth session).
   static constexpr int kLaunchRegisters = 168;
-  static constexpr int kProducerRegisters = 32;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kProducerRegisters = kHeadDim_ == 256 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kHeadDim_ == 256 ? 240 : 232;
   static_assert(kProducerRegisters + kNumConsumerWarpGroups * kConsumerRegisters <=
                     (kNumConsumerWarpGroups + 1) * kLaunchRegisters,
                 "setmaxnreg can only redistribute the registers the CTA was launched with");
