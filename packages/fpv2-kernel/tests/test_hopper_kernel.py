@@ -136,6 +136,70 @@ def test_output_views_aligned_or_not(paged_case, hand_index, head_dim, offset, h
     assert storage[outside].isnan().all(), "the kernel wrote outside the output view"
 
 
+#: Short chunks after long cached prefixes: 2 requests x ceil(200 x 4 / 128) tiles x 2 KV heads = 28 CTAs, too
+#: few for the H200's 132 SMs, so the launcher splits each tile's KV blocks (4 splits automatically).
+SPLIT_SEQLENS_Q = [64, 200]
+SPLIT_SEQLENS_K = [8192, 6000]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("splits", ["auto", "3", "16"])
+@pytest.mark.parametrize("mode", ["dense", "sparse", "corrected"])
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_split_kv_matches_the_reference(paged_case, hand_index, monkeypatch, head_dim, page_size, mode, splits):
+    # The splits' partial rows and the combine against the fp64 reference: a lost or double-counted part of
+    # a tile's KV blocks, or a wrong merge weight, moves the output far beyond the bf16 rule. 16 splits leave
+    # some splits of the short request's tiles without any KV tile (their rows carry lse -inf).
+    _require_kernel()
+    if splits != "auto":
+        monkeypatch.setenv("FPV2_HOPPER_SPLITS", splits)
+    case = paged_case(
+        SPLIT_SEQLENS_Q, SPLIT_SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", seed=31 + page_size + head_dim + len(mode),
+    )  # fmt: skip
+    index = plan = None
+    if mode != "dense":
+        index, _ = hand_index(
+            case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128, keep=_keep_some(5, 0.2)
+        )
+    if mode == "corrected":
+        plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch))
+    lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
+    got = native.hopper_prefill(
+        case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, index=index, plan=plan, lse=lse
+    )
+    if index is None:
+        want, want_lse = dense_attention(
+            case.q, case.k_cache, case.v_cache, case.batch, compute_dtype=torch.float64, return_lse=True
+        )
+        same = dense_attention(case.q, case.k_cache, case.v_cache, case.batch).to(torch.bfloat16)
+    else:
+        want, want_lse = sparse_attention(
+            case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, compute_dtype=torch.float64,
+            return_lse=True,
+        )  # fmt: skip
+        same = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan).to(torch.bfloat16)
+    _check(got, want, same)
+    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=5e-3 if plan else 1e-3)
+
+
+@pytest.mark.hopper
+def test_forced_splits_without_workspace_are_refused(paged_case, monkeypatch):
+    _require_kernel()
+    monkeypatch.setenv("FPV2_HOPPER_SPLITS", "4")
+    case = paged_case(
+        SPLIT_SEQLENS_Q, SPLIT_SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=BUILT_HEAD_DIMS[0], page_size=128,
+        dtype=torch.bfloat16, device="cuda", seed=3,
+    )  # fmt: skip
+    too_small = torch.empty(256, dtype=torch.uint8, device="cuda")
+    with pytest.raises(native.NativeError, match="FPV2_HOPPER_SPLITS=4: 4 KV splits need"):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, workspace=too_small)
+    monkeypatch.setenv("FPV2_HOPPER_SPLITS", "17")
+    with pytest.raises(ValueError, match="FPV2_HOPPER_SPLITS=17"):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch)
+
+
 @pytest.mark.hopper
 @pytest.mark.parametrize("head_dim", UNBUILT_HEAD_DIMS)
 def test_head_dims_it_was_not_built_for_are_refused(paged_case, head_dim):

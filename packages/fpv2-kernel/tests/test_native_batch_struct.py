@@ -110,3 +110,18 @@ def test_moved_tensors_get_their_fields_rebuilt() -> None:
     batch.seqlens_k.set_(batch.seqlens_k.clone())
     assert cs.paged_batch_struct(batch).seqlens_k.data == batch.seqlens_k.data_ptr()
     assert bytes(cs.paged_batch_struct(batch)) == _from_scratch(batch)
+
+
+def test_the_workspace_is_raw_bytes_of_any_dtype() -> None:
+    # Split-KV's scratch memory (fpv2_prefill_workspace_size): a uint8 buffer is the natural one, although the
+    # ABI has no uint8 tensor dtype; it must be one dense block.
+    batch = _batch()
+    q = torch.zeros(batch.total_q, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(batch.num_pages, batch.page_size, 2, 64, dtype=torch.bfloat16)
+    workspace = torch.empty(4096, dtype=torch.uint8)
+    args = cs.prefill_args_struct(q, cache, cache, torch.empty_like(q), batch, workspace=workspace)
+    assert (args.workspace, args.workspace_bytes) == (workspace.data_ptr(), 4096)
+    floats = torch.empty(100, dtype=torch.float32)
+    assert cs.prefill_args_struct(q, cache, cache, torch.empty_like(q), batch, workspace=floats).workspace_bytes == 400
+    with pytest.raises(TypeError, match="workspace must be a contiguous"):
+        cs.prefill_args_struct(q, cache, cache, torch.empty_like(q), batch, workspace=workspace[::2])

@@ -33,6 +33,7 @@ VARIANT_BUDGETS = {
     "persistent-overlap": (16, 16),
     "overlap": (16, 8),
     "overlap-e4m3": (16, 8),
+    "split": (16, 8),
 }
 #: ... except where a measured instantiation needs its own. Measured with nvcc 13.0 at producer / consumer
 #: registers 32 / 232 (benchmarks/NOTES.md, 2026-12-01, third session): 0 / 0 everywhere but the d=128
@@ -54,6 +55,10 @@ VARIANT_BUDGETS = {
 #: overlapped consumers had 96 B / 128 / 136 B and measured 2.4% slower with the correction at 128K, 1% faster
 #: dense (benchmarks/NOTES.md). No FP8 pooled-product instantiation at d=256 (the launcher refuses the E4M3
 #: copies there).
+#: The split-KV instantiations (the overlapped consumers with the schedule's split ranges and the fp32
+#: partial-row epilogue, launched only for calls with fewer CTAs than SMs; 2026-12-01, eighth session): d=64
+#: 0 / 0, d=128 64 B stack, 104 / 108 B of spills, d=256 96 B, 320 / 352 B. The other instantiations are
+#: unchanged by them (the split is a template flag of the traits).
 BUDGET_EXCEPTIONS = {
     (128, "overlap"): (32, 40),
     (128, "overlap-e4m3"): (80, 100),
@@ -62,6 +67,8 @@ BUDGET_EXCEPTIONS = {
     (256, "overlap"): (56, 64),
     (256, "persistent"): (88, 296),
     (256, "persistent-overlap"): (280, 884),
+    (128, "split"): (64, 108),
+    (256, "split"): (96, 352),
 }
 BUDGETS = {
     (head_dim, variant): BUDGET_EXCEPTIONS.get((head_dim, variant), budget)
@@ -72,14 +79,16 @@ BUDGETS = {
 
 # Itanium mangling of the bool template arguments: Lb0E (false) / Lb1E (true), in declaration order.
 _FLAGS = re.compile(r"Lb([01])E")
-# The traits argument PrefillTraits<kHeadDim, kStages>: ...PrefillTraitsILi128ELi2EE...
-_TRAITS = re.compile(r"PrefillTraitsILi(?P<head_dim>\d+)ELi(?P<stages>\d+)EE")
+# The traits argument PrefillTraits<kHeadDim, kStages, kSplitKv>: ...PrefillTraitsILi128ELi2ELb0EEE... (the
+# split-KV flag is absent from names built before it existed).
+_TRAITS = re.compile(r"PrefillTraitsILi(?P<head_dim>\d+)ELi(?P<stages>\d+)E(?:Lb(?P<split>[01])E)?E")
 _KINDS = {
     "default": "one CTA per tile",
     "persistent": "persistent",
     "persistent-overlap": "persistent, overlapped consumers",
     "overlap": "overlapped consumers",
     "overlap-e4m3": "overlapped consumers, FP8 pooled products",
+    "split": "split-KV, overlapped consumers",
 }
 
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']*prefill_kernel[^']*)'")
@@ -107,7 +116,13 @@ class KernelReport:
 
 
 def _variant(name: str) -> str:
-    """The instantiation's name in BUDGETS, from its template flags (persistent, overlap, pooled e4m3)."""
+    """The instantiation's name in BUDGETS, from its template flags (persistent, overlap, pooled e4m3) and the
+    traits' split-KV flag."""
+    traits = _TRAITS.search(name)
+    if traits is not None:
+        if traits.group("split") == "1":
+            return "split"
+        name = name[: traits.start()] + name[traits.end() :]  # the kernel's own flags follow the traits
     flags = [flag == "1" for flag in _FLAGS.findall(name)]
     persistent, overlap, pooled_e4m3 = [*flags, False, False, False][:3]
     if persistent:

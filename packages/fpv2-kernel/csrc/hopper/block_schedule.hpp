@@ -15,13 +15,17 @@
 // J is then tiles kTilesPerBlock J .. kTilesPerBlock J + kTilesPerBlock - 1, visited last first; the tiles of
 // the segment's last block that lie past every row (n >= n_block_max: the upper half of a diagonal block)
 // are left out, but always one of its tiles is kept, so a block of the segment is never visited by none.
+//
+// Split-KV (kSplitKv, params.num_splits = S, split_kv.hpp): split k of S visits the contiguous part
+// [k T / S, (k + 1) T / S) of the T = kept + pooled tiles above, so that the S CTAs of a query tile share its
+// work; kept_first and pooled_first say where the part starts (0 without a split).
 #pragma once
 
 #include <cstdint>
 
 namespace fpv2::hopper {
 
-template <int kTilesPerBlock = 1>
+template <int kTilesPerBlock = 1, bool kSplitKv = false>
 struct BlockSchedule {
   static_assert(kTilesPerBlock >= 1, "a block is at least one KV tile");
   int32_t const* kept;   // the segment's first id (sparse) or nullptr (dense)
@@ -30,6 +34,8 @@ struct BlockSchedule {
   int n_block_max;       // dense: tiles 0 .. n_block_max - 1
   int num_correction;    // pooled tiles after the kept tiles (0 without the correction)
   int skipped;           // sparse, kTilesPerBlock > 1: tiles of the last kept block past n_block_max
+  int kept_first;        // split-KV: the first kept tile of this split (0 without a split)
+  int pooled_first;      // split-KV: the first pooled tile of this split (0 without a split)
 
   // Host-callable with host arrays, for the native schedule checks (fpv2_hopper_layout_check).
   template <class Params, class Geometry>
@@ -37,6 +43,8 @@ struct BlockSchedule {
     BlockSchedule s;
     s.n_block_max = tile.n_block_max;
     s.skipped = 0;
+    s.kept_first = 0;
+    s.pooled_first = 0;
     if (params.index_offsets == nullptr) {
       s.kept = nullptr;
       s.num_kept = tile.n_block_max;
@@ -66,13 +74,24 @@ struct BlockSchedule {
       }
     }
     s.num_correction = params.has_correction ? (tile.n_pooled_eligible + pooled_tile - 1) / pooled_tile : 0;
+    if constexpr (kSplitKv) {
+      const int total = s.num_kept + s.num_correction;
+      const int begin = int(int64_t(total) * tile.split / params.num_splits);
+      const int end = int(int64_t(total) * (tile.split + 1) / params.num_splits);
+      const int kept_end = end < s.num_kept ? end : s.num_kept;
+      s.kept_first = begin < s.num_kept ? begin : s.num_kept;
+      s.pooled_first = begin > s.num_kept ? begin - s.num_kept : 0;
+      s.num_correction = end > s.num_kept ? end - s.num_kept - s.pooled_first : 0;
+      s.num_kept = kept_end - s.kept_first;
+    }
     return s;
   }
 
   // The i-th KV tile to visit, i < num_kept.
   __host__ __device__ __forceinline__ int block(int i) const {
+    if constexpr (kSplitKv) i += kept_first;
     if constexpr (kTilesPerBlock == 1) {
-      return kept ? kept[num_kept - 1 - i] : n_block_max - 1 - i;
+      return kept ? kept[num_kept_blocks - 1 - i] : n_block_max - 1 - i;
     } else {
       if (!kept) return n_block_max - 1 - i;
       const int e = i + skipped;
@@ -80,11 +99,16 @@ struct BlockSchedule {
     }
   }
 
+  // The request's pooled tile of the c-th pooled stage, c < num_correction.
+  __host__ __device__ __forceinline__ int pooled_tile(int c) const { return first_pooled_tile() + c; }
+  // The request's first pooled tile of this split (0 without split-KV).
+  __host__ __device__ __forceinline__ int first_pooled_tile() const { return kSplitKv ? pooled_first : 0; }
+
   __host__ __device__ __forceinline__ int num_stages() const { return num_kept + num_correction; }
 };
 
 // The schedule of the instantiation `Traits`.
 template <class Traits>
-using BlockScheduleFor = BlockSchedule<Traits::kTilesPerBlock>;
+using BlockScheduleFor = BlockSchedule<Traits::kTilesPerBlock, Traits::kSplitKv>;
 
 }  // namespace fpv2::hopper

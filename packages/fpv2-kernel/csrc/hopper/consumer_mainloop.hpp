@@ -68,13 +68,13 @@ struct ConsumerMainloop {
     }
     if constexpr (kMarkFirstPooled) {
       if (c == 0 && num_kept > 0 && schedule.num_correction > 0) {
-        visit(0, cute::Int<3>{});
+        visit(schedule.pooled_tile(0), cute::Int<3>{});
         c = 1;
       }
     }
     CUTE_NO_UNROLL
     for (; c < schedule.num_correction; ++c) {
-      visit(c, cute::Int<2>{});
+      visit(schedule.pooled_tile(c), cute::Int<2>{});
     }
   }
 
@@ -96,7 +96,7 @@ struct ConsumerMainloop {
       return true;
     }
     if (schedule.num_correction > 0) {
-      first(0, cute::Int<2>{});
+      first(schedule.pooled_tile(0), cute::Int<2>{});
       walk_schedule_from<kMarkFirstPooled>(schedule, tile, 0, 1, visit);
       return true;
     }
@@ -488,7 +488,11 @@ struct ConsumerMainloop {
 
     float lse[kRows];
     softmax.finalize(tOrO_rc, lse);
-    EpilogueStore<Traits>::store(params, tile, tOrO, thr_pv, lse);
+    if constexpr (Traits::kSplitKv) {
+      EpilogueStore<Traits>::store_partial(params, tile, tOrO, thr_pv, lse);
+    } else {
+      EpilogueStore<Traits>::store(params, tile, tOrO, thr_pv, lse);
+    }
   }
 };
 

@@ -50,8 +50,10 @@ struct CorrectionMask {
   __device__ __forceinline__ static void build(Table& table, Params const& params,
                                                BlockScheduleFor<Traits> const& schedule, int pooled_base, int n_eligible,
                                                float log2_to_raw, int consumer_thread) {
-    const int rows = schedule.num_correction * Traits::kBlockN;
-    for (int j = consumer_thread; j < rows; j += Traits::kNumConsumerThreads) {
+    // The rows of this CTA's pooled tiles (all of them without split-KV).
+    const int first_row = schedule.first_pooled_tile() * Traits::kBlockN;
+    const int rows = (schedule.first_pooled_tile() + schedule.num_correction) * Traits::kBlockN;
+    for (int j = first_row + consumer_thread; j < rows; j += Traits::kNumConsumerThreads) {
       float shift = -INFINITY;
       if (j < n_eligible) {
         const int length = params.block_lengths[pooled_base + j];
@@ -75,7 +77,8 @@ struct CorrectionMask {
   // issues the TMA copies) fill the table instead, while the consumers gather Q and run the kept blocks;
   // the consumers wait for it at their first pooled tile (await_built). kBuilders threads, builder index
   // 0..kBuilders-1. Row j is owned by builder j % kBuilders, which writes its shift and then, scanning the
-  // tile's kept ids, its -inf: program order replaces build()'s barrier between the two passes.
+  // tile's kept ids, its -inf: program order replaces build()'s barrier between the two passes. (With
+  // split-KV, rows are counted from the split's first pooled row.)
   // ln(2) / softmax_scale: turns log2|B| into the raw-score shift.
   template <class Params>
   __device__ __forceinline__ static float log2_to_raw(Params const& params) {
@@ -89,8 +92,9 @@ struct CorrectionMask {
   __device__ __forceinline__ static void build_by_producer(Table& table, Params const& params,
                                                            BlockScheduleFor<Traits> const& schedule, int pooled_base,
                                                            int n_eligible, float log2_to_raw, int builder) {
-    const int rows = schedule.num_correction * Traits::kBlockN;
-    for (int j = builder; j < rows; j += kBuilders) {
+    const int first_row = schedule.first_pooled_tile() * Traits::kBlockN;
+    const int rows = (schedule.first_pooled_tile() + schedule.num_correction) * Traits::kBlockN;
+    for (int j = first_row + builder; j < rows; j += kBuilders) {
       float shift = -INFINITY;
       if (j < n_eligible) {
         const int length = params.block_lengths[pooled_base + j];
@@ -100,7 +104,9 @@ struct CorrectionMask {
     }
     for (int i = 0; i < schedule.num_kept_blocks; ++i) {
       const int j = schedule.kept[i];
-      if (j >= 0 && j < n_eligible && j % kBuilders == builder) {
+      const bool owned = Traits::kSplitKv ? j >= first_row && j < rows && (j - first_row) % kBuilders == builder
+                                          : j >= 0 && j % kBuilders == builder;
+      if (owned && j < n_eligible) {
         table.shift[j] = -INFINITY;
       }
     }

@@ -123,6 +123,34 @@ struct EpilogueStore {
       }
     }
   }
+
+  // Split-KV (split_kv.hpp): the split's normalised fp32 rows and their lse (-inf for a row that saw no key
+  // in this split) into the workspace, row token * Hq + head of split tile.split; split_combine.hpp merges
+  // the splits. Pairs of adjacent columns, 8-byte stores (the partial rows are a small call's traffic).
+  template <class Params, class Geometry, class OutFragment, class ThrMma, int kRows>
+  __device__ __forceinline__ static void store_partial(Params const& params, Geometry const& tile,
+                                                       OutFragment const& tOrO, ThrMma const& thr_mma_pv,
+                                                       float const (&lse)[kRows]) {
+    using namespace cute;
+    Tensor coords = thr_mma_pv.partition_C(
+        make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}));
+    Tensor coords_rc = make_tensor(coords.data(), accumulator_rows_cols(coords.layout()));
+    Tensor out_rc = make_tensor(tOrO.data(), accumulator_rows_cols(tOrO.layout()));
+    const int64_t split_rows = params.total_q * params.num_q_heads;
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int packed = tile.row_begin + int(get<0>(coords_rc(i, 0)));
+      if (packed >= tile.num_rows) continue;
+      const PackedRow where = PackedRow::at(params, tile, packed);
+      const int64_t row = int64_t(tile.split) * split_rows + where.token * params.num_q_heads + where.head;
+      float* base = params.split_out + row * Traits::kHeadDim;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(out_rc); j += 2) {
+        *reinterpret_cast<float2*>(base + int(get<1>(coords_rc(i, j)))) = make_float2(out_rc(i, j), out_rc(i, j + 1));
+      }
+      if (get<1>(coords_rc(i, 0)) == 0) params.split_lse[row] = lse[i];
+    }
+  }
 };
 
 }  // namespace fpv2::hopper

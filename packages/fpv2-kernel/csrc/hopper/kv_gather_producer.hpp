@@ -119,7 +119,7 @@ struct KvGatherProducer {
       const int pooled_base = params.pooled_block_offsets[tile.request];
       CUTE_NO_UNROLL
       for (int c = 0; c < schedule.num_correction; ++c) {
-        const int64_t pooled_row = int64_t(pooled_base) + int64_t(c) * Traits::kBlockN + row;
+        const int64_t pooled_row = int64_t(pooled_base) + int64_t(schedule.pooled_tile(c)) * Traits::kBlockN + row;
         const bool valid = pooled_row < params.pooled_rows;
         const int64_t offset = valid ? pooled_row * params.cache_cols + head_offset : 0;
         pipeline_k.producer_wait_empty(state);

@@ -100,7 +100,7 @@ struct KvSharedRowsGatherProducer {
       const int pooled_base = params.pooled_block_offsets[tile.request];
       CUTE_NO_UNROLL
       for (int c = 0; c < schedule.num_correction; ++c) {
-        const int first = pooled_base + c * Traits::kBlockN;
+        const int first = pooled_base + schedule.pooled_tile(c) * Traits::kBlockN;
         auto pooled_offset = [&](int row) -> int64_t {
           const int pooled_row = first + row;
           return pooled_row < params.pooled_rows ? int64_t(pooled_row) * params.cache_cols + head_offset : -1;

@@ -114,7 +114,7 @@ struct KvWarpGatherProducer {
       const int pooled_base = params.pooled_block_offsets[tile.request];
       CUTE_NO_UNROLL
       for (int c = 0; c < schedule.num_correction; ++c) {
-        const int pooled_row = pooled_base + c * Traits::kBlockN + first_row + lane;
+        const int pooled_row = pooled_base + schedule.pooled_tile(c) * Traits::kBlockN + first_row + lane;
         const int owned = pooled_row < params.pooled_rows ? pooled_row : -1;
         pipeline_k.producer_wait_empty(state);
         if (owns_rows) copy_rows<false>(sK, state.stage, first_row, lane, params.pooled_k + head_offset, owned, params.cache_cols);

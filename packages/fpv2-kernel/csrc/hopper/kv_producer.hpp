@@ -93,9 +93,9 @@ struct KvProducer {
                                                 2 * Traits::kTileBytesE4M3 * state.stage),
                                   typename Traits::SmemLayoutVtE4M3Stage{});
         uint64_t& full_k = pipeline_k.producer_acquire(state, Traits::kTileBytesE4M3);
-        copy(params.tma_pooled_k_e4m3.with(full_k), tPKgPK(_, c), group_modes<0, 3>(tma_pk.partition_D(sK8)));
+        copy(params.tma_pooled_k_e4m3.with(full_k), tPKgPK(_, schedule.pooled_tile(c)), group_modes<0, 3>(tma_pk.partition_D(sK8)));
         uint64_t& full_v = pipeline_v.producer_acquire(state, Traits::kTileBytesE4M3);
-        copy(params.tma_pooled_vt_e4m3.with(full_v), tPVgPVt(_, c), group_modes<0, 3>(tma_pv.partition_D(sVt8)));
+        copy(params.tma_pooled_vt_e4m3.with(full_v), tPVgPVt(_, schedule.pooled_tile(c)), group_modes<0, 3>(tma_pv.partition_D(sVt8)));
         state.advance();
       }
     } else if (schedule.num_correction > 0) {
@@ -116,9 +116,9 @@ struct KvProducer {
       CUTE_NO_UNROLL
       for (int c = 0; c < schedule.num_correction; ++c) {
         uint64_t& full_k = pipeline_k.producer_acquire(state, Traits::kTileBytesK);
-        copy(params.tma_pooled_k.with(full_k), tPKgPK(_, c), tPKsK(_, state.stage));
+        copy(params.tma_pooled_k.with(full_k), tPKgPK(_, schedule.pooled_tile(c)), tPKsK(_, state.stage));
         uint64_t& full_v = pipeline_v.producer_acquire(state, Traits::kTileBytesV);
-        copy(params.tma_pooled_v.with(full_v), tPVgPVt(_, c), tPVsVt(_, state.stage));
+        copy(params.tma_pooled_v.with(full_v), tPVgPVt(_, schedule.pooled_tile(c)), tPVsVt(_, state.stage));
         state.advance();
       }
     }

@@ -12,6 +12,7 @@
 #include "abi/errors.hpp"
 #include "hopper/prefill_instances.hpp"
 #include "hopper/prefill_plan.hpp"
+#include "hopper/split_kv.hpp"
 #include "validate/struct_checks.hpp"
 #include "validate/tensor_checks.hpp"
 
@@ -224,7 +225,75 @@ int32_t check_device(int device) {
 
 }  // namespace
 
-int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
+namespace {
+
+// FPV2_HOPPER_SPLITS: unset or "" chooses the split-KV count automatically (split_kv.hpp), N in 1 ..
+// kMaxKvSplits forces N (1: no split) for tests and A/B runs.
+int32_t splits_from_environment(int32_t* forced) {
+  const char* value = std::getenv("FPV2_HOPPER_SPLITS");
+  *forced = 0;
+  if (value == nullptr || *value == '\0') return FPV2_OK;
+  char* end = nullptr;
+  const long n = std::strtol(value, &end, 10);
+  if (end == value || *end != '\0' || n < 1 || n > kMaxKvSplits) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("environment FPV2_HOPPER_SPLITS=%s: expected an integer in 1..%d (unset: automatic)", value,
+                       kMaxKvSplits));
+  }
+  *forced = static_cast<int32_t>(n);
+  return FPV2_OK;
+}
+
+// Sets plan.num_splits (split_kv.hpp). Splits serve the overlapped consumers, one CTA per tile, with bf16
+// pooled statistics (not the persistent CTAs, FPV2_HOPPER_OVERLAP=0 or the FP8 correction); automatic ones need the workspace they fill (else none: the
+// same result from one CTA per tile), forced ones are refused without it. `sizing`: choose as if the
+// workspace were unbounded (fpv2_prefill_workspace_size).
+int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
+  int32_t forced = 0;
+  FPV2_RETURN_IF_ERROR(splits_from_environment(&forced));
+  plan.num_splits = 1;
+  const bool persistent = plan.persistent != 0 && plan.page_size % prefill_kv_tile(plan.head_dim) == 0;
+  // The split-KV instantiation is the overlapped consumers' (the default), one CTA per tile.
+  if (persistent || !plan.overlap || plan.pooled_k_e4m3 != nullptr || forced == 1) return FPV2_OK;
+  const int64_t num_ctas =
+      (int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) / FPV2_KERNEL_TILE_SIZE *
+      plan.num_kv_heads * plan.num_requests;
+  int splits = forced;
+  if (splits == 0) {
+    int sms = 0;
+    const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) {
+      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cannot query the SM count: %s", cudaGetErrorString(err)));
+    }
+    splits = auto_kv_splits(num_ctas, sms, plan.max_seqlen_k);
+  }
+  if (splits <= 1) return FPV2_OK;
+  const int64_t num_q_heads = int64_t(plan.num_kv_heads) * plan.group;
+  const uint64_t need = split_workspace_bytes(plan.total_q, num_q_heads, plan.head_dim, splits);
+  if (sizing) {
+    plan.num_splits = splits;
+    return FPV2_OK;
+  }
+  if (plan.workspace_bytes < need || plan.workspace == nullptr) {
+    if (forced == 0) return FPV2_OK;
+    return fail(FPV2_ERROR_WORKSPACE_TOO_SMALL,
+                format("environment FPV2_HOPPER_SPLITS=%d: %d KV splits need %llu bytes of workspace "
+                       "(fpv2_prefill_workspace_size); got fpv2_prefill_args_t.workspace_bytes=%llu",
+                       splits, splits, static_cast<unsigned long long>(need),
+                       static_cast<unsigned long long>(plan.workspace_bytes)));
+  }
+  if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment != 0) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("fpv2_prefill_args_t.workspace=%p: split-KV needs a %llu-byte aligned workspace",
+                       plan.workspace, static_cast<unsigned long long>(kWorkspaceAlignment)));
+  }
+  plan.num_splits = splits;
+  return FPV2_OK;
+}
+
+// Checks `args` against what the kernel serves and fills `plan` (without the splits); `guard` selects the
+// call's device.
+int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, PrefillPlan& plan) {
   if (args.batch == nullptr) {
     return fail(FPV2_ERROR_INVALID_ARGUMENT, "fpv2_prefill_args_t.batch is NULL (validate the arguments first)");
   }
@@ -313,11 +382,15 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   int32_t head_major = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_HEAD_MAJOR", 1, &head_major));
 
-  DeviceGuard guard;
   FPV2_RETURN_IF_ERROR(guard.select(args.device));
   FPV2_RETURN_IF_ERROR(check_device(guard.device()));
 
-  PrefillPlan plan{};
+  plan = PrefillPlan{};
+  plan.num_splits = 1;
+  plan.workspace = args.workspace;
+  plan.workspace_bytes = args.workspace_bytes;
+  plan.total_q = batch.total_q;
+  plan.max_seqlen_k = batch.max_seqlen_k;
   plan.q = q.data;
   plan.q_token_stride = q.strides[0];
   plan.q_head_stride = q.strides[1];
@@ -376,6 +449,30 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
     }
   }
 
+  return FPV2_OK;
+}
+
+}  // namespace
+
+int32_t prefill_workspace_size(const fpv2_prefill_args_t& args, uint64_t* bytes) {
+  if (bytes == nullptr) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT, "fpv2_prefill_workspace_size: bytes is NULL");
+  }
+  *bytes = 0;
+  DeviceGuard guard;
+  PrefillPlan plan{};
+  FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
+  FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device(), /*sizing=*/true));
+  *bytes = split_workspace_bytes(plan.total_q, int64_t(plan.num_kv_heads) * plan.group, plan.head_dim,
+                                 plan.num_splits);
+  return FPV2_OK;
+}
+
+int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
+  DeviceGuard guard;
+  PrefillPlan plan{};
+  FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
+  FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device()));
   // One case per entry of kPrefillHeadDims (prefill_instances.hpp).
   switch (plan.head_dim) {
     case 64:

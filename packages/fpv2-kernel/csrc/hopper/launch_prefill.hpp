@@ -25,4 +25,8 @@ namespace fpv2::hopper {
 // fpv2_status_t and sets the thread's last error.
 int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream);
 
+// The workspace bytes launch_prefill would use for `args` (split-KV's partial rows, split_kv.hpp: 0 when
+// the call does not split), with the same checks; the splits chosen as if the workspace were unbounded.
+int32_t prefill_workspace_size(const fpv2_prefill_args_t& args, uint64_t* bytes);
+
 }  // namespace fpv2::hopper

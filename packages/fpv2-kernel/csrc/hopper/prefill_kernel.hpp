@@ -24,8 +24,11 @@
 // in the consumers' registers beside O's 128 accumulators. The correction's pooled tiles are then 64 pooled
 // rows each; the FP8 pooled products are built for 128-token tiles only.
 //
-// Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first),
-// split-KV, FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
+// Split-KV (Traits::kSplitKv, split_kv.hpp): for calls with fewer CTAs than SMs, params.num_splits CTAs per
+// tile each walk one contiguous part of its schedule and store normalised fp32 rows and their lse; the
+// launcher then merges them (split_combine.hpp). Its own instantiation of the overlapped consumers.
+//
+// Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first), FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
 // pooled statistics: kPooledE4M3, overlapped consumers only). Head dims 64, 128 and 256 are instantiated
 // (prefill_instances.hpp), each with the K/V stages of prefill_stages().
 #pragma once
@@ -61,6 +64,8 @@ template <class Traits, bool kPersistent, bool kOverlap, bool kPooledE4M3 = fals
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
   static_assert(!kPooledE4M3 || Traits::kPooledE4M3Built, "the FP8 pooled products need 128-token KV tiles");
+  static_assert(!Traits::kSplitKv || (!kPersistent && kOverlap && !kPooledE4M3),
+                "split-KV is built into the overlapped consumers, one CTA per tile, bf16 pooled products");
   using Storage = PrefillSharedStorage<Traits>;
   using Geometry = TileGeometry<Traits::kBlockM, Traits::kBlockN, Traits::kBlockSize>;
   using Pipeline = KvPipeline<Traits::kStages>;
@@ -112,8 +117,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     }
     return -1;
   };
+  // One CTA per tile: the CTA's tile, or with split-KV (Traits::kSplitKv, split_kv.hpp) split
+  // blockIdx.x % num_splits of tile blockIdx.x / num_splits (the splits of a tile run side by side and share
+  // its Q rows in L2).
+  auto cta_tile = [&]() {
+    if constexpr (Traits::kSplitKv) {
+      Geometry tile = tile_at(int(blockIdx.x) / params.num_splits);
+      tile.split = int(blockIdx.x) % params.num_splits;
+      return tile;
+    }
+    return tile_at(int(blockIdx.x));
+  };
   if constexpr (!kPersistent) {
-    if (!tile_at(int(blockIdx.x)).valid()) {
+    if (!cta_tile().valid()) {
       return;  // uniform over the CTA, before any barrier
     }
   }
@@ -173,7 +189,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       Geometry tile;
       for (int k = next_valid(0, tile); k >= 0; k = next_valid(k + 1, tile)) produce(tile);
     } else {
-      produce(tile_at(int(blockIdx.x)));
+      produce(cta_tile());
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
@@ -193,7 +209,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         tile = next;
       }
     } else {
-      ConsumerMainloop<Traits>::template run<kOverlap, kPooledE4M3>(params, tile_at(int(blockIdx.x)), smem,
+      ConsumerMainloop<Traits>::template run<kOverlap, kPooledE4M3>(params, cta_tile(), smem,
                                                                    consumer_thread, state);
     }
   }

@@ -19,6 +19,8 @@
 #include "hopper/prefill_plan.hpp"
 #include "hopper/prefill_traits.hpp"
 #include "hopper/shared_storage.hpp"
+#include "hopper/split_combine.hpp"
+#include "hopper/split_kv.hpp"
 
 namespace fpv2::hopper {
 
@@ -50,10 +52,12 @@ inline int32_t check_tensor_map_entry_point() {
 
 }  // namespace detail
 
-template <int kHeadDim>
-int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
+// The launch of one instantiation's traits: PrefillTraitsFor<d>, or SplitKvTraitsFor<d> for calls that
+// split (run_prefill below).
+template <class Traits>
+int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
   using namespace cute;
-  using Traits = PrefillTraitsFor<kHeadDim>;
+  constexpr int kHeadDim = Traits::kHeadDim;
   using Params = PrefillParams<Traits>;
   using Element = typename Traits::Element;
   static_assert(prefill_smem_bytes<Traits>() <= kMaxDynamicSharedMemory,
@@ -166,14 +170,31 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
       cutlass::FastDivmod(plan.group),
       cutlass::FastDivmod(static_cast<int>(num_m_blocks)),
       cutlass::FastDivmod(plan.num_kv_heads),
+      plan.num_splits,
+      plan.num_kv_heads * plan.group,
+      plan.total_q,
+      static_cast<float*>(plan.num_splits > 1 ? plan.workspace : nullptr),
+      plan.num_splits > 1
+          ? reinterpret_cast<float*>(static_cast<char*>(plan.workspace) +
+                                     split_out_bytes(plan.total_q, int64_t(plan.num_kv_heads) * plan.group, kHeadDim,
+                                                     plan.num_splits))
+          : nullptr,
   };
 
   // The launcher sends the E4M3 copies only with the overlapped consumers, and only to the instantiations
   // of 128-token tiles (launch_prefill.cu); the others do not build that variant.
-  auto kernel = persistent     ? (plan.overlap ? prefill_kernel<Traits, true, true> : prefill_kernel<Traits, true, false>)
-                : plan.overlap ? prefill_kernel<Traits, false, true>
-                               : prefill_kernel<Traits, false, false>;
-  if constexpr (Traits::kPooledE4M3Built) {
+  // The split-KV traits build one kernel: the overlapped consumers, one CTA per tile (choose_kv_splits
+  // sends nothing else there).
+  auto kernel = prefill_kernel<Traits, false, true>;
+  if constexpr (!Traits::kSplitKv) {
+    kernel = persistent     ? (plan.overlap ? prefill_kernel<Traits, true, true> : prefill_kernel<Traits, true, false>)
+             : plan.overlap ? prefill_kernel<Traits, false, true>
+                            : prefill_kernel<Traits, false, false>;
+  } else if (persistent || !plan.overlap || pooled_e4m3 || plan.num_splits <= 1) {
+    return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
+                              "fpv2 Hopper prefill: a call the split-KV instantiation does not build was sent to it");
+  }
+  if constexpr (Traits::kPooledE4M3Built && !Traits::kSplitKv) {
     if (pooled_e4m3) kernel = prefill_kernel<Traits, false, true, true>;
   } else if (pooled_e4m3) {
     return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
@@ -197,7 +218,12 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
                                                    static_cast<long long>(num_m_blocks), plan.num_kv_heads,
                                                    plan.num_requests));
   }
-  int64_t grid_ctas = num_ctas;
+  int64_t grid_ctas = num_ctas * plan.num_splits;  // the launcher chose the splits (split_kv.hpp)
+  if (grid_ctas > std::numeric_limits<int32_t>::max()) {
+    return fpv2::detail::fail(FPV2_ERROR_UNSUPPORTED,
+                              fpv2::detail::format("fpv2 Hopper prefill: %lld CTAs x %d KV splits exceed the 1-D grid",
+                                                   static_cast<long long>(num_ctas), plan.num_splits));
+  }
   if (persistent) {
     int device = 0, sms = 0;
     err = cudaGetDevice(&device);
@@ -218,7 +244,33 @@ int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
                                                    "%d bytes of shared memory failed: %s",
                                                    grid.x, Traits::kNumThreads, smem_bytes, cudaGetErrorString(err)));
   }
+  if constexpr (Traits::kSplitKv) {
+    SplitCombineArgs combine{params.split_out,
+                             params.split_lse,
+                             plan.num_splits,
+                             plan.total_q * params.num_q_heads,
+                             params.num_q_heads,
+                             reinterpret_cast<__nv_bfloat16*>(plan.out),
+                             plan.out_token_stride,
+                             plan.out_head_stride,
+                             plan.lse,
+                             plan.lse_token_stride,
+                             plan.lse_head_stride};
+    err = launch_split_combine<kHeadDim>(combine, stream);
+    if (err != cudaSuccess) {
+      return fpv2::detail::fail(FPV2_ERROR_CUDA,
+                                fpv2::detail::format("fpv2 Hopper prefill: launch of the split-KV combine "
+                                                     "(%d splits) failed: %s",
+                                                     plan.num_splits, cudaGetErrorString(err)));
+    }
+  }
   return FPV2_OK;
+}
+
+template <int kHeadDim>
+int32_t run_prefill(const PrefillPlan& plan, cudaStream_t stream) {
+  if (plan.num_splits > 1) return launch_with<SplitKvTraitsFor<kHeadDim>>(plan, stream);
+  return launch_with<PrefillTraitsFor<kHeadDim>>(plan, stream);
 }
 
 }  // namespace fpv2::hopper

@@ -137,6 +137,16 @@ struct PrefillParams {
   cutlass::FastDivmod group_divmod;
   cutlass::FastDivmod m_blocks_divmod;
   cutlass::FastDivmod kv_heads_divmod;
+
+  // Split-KV (split_kv.hpp; 1 = none): num_splits CTAs per query tile, CTA blockIdx.x taking split
+  // blockIdx.x % num_splits of tile blockIdx.x / num_splits. Each writes its normalised fp32 rows and lse
+  // to split_out (num_splits, total_q, Hq, d) and split_lse (num_splits, total_q, Hq) in the caller's
+  // workspace; split_combine.hpp merges them into out and lse.
+  int32_t num_splits;
+  int32_t num_q_heads;  // Hq
+  int64_t total_q;
+  float* split_out;
+  float* split_lse;
 };
 
 }  // namespace fpv2::hopper

@@ -19,6 +19,14 @@ constexpr int max_correction_blocks(int head_dim) { return head_dim == 256 ? 819
 constexpr int prefill_kv_tile(int head_dim) { return head_dim == 256 ? 64 : 128; }
 
 struct PrefillPlan {
+  // Split-KV (split_kv.hpp): the splits chosen by the launcher (1 = none) and the caller's workspace that
+  // holds their partial rows.
+  int32_t num_splits;
+  void* workspace;
+  uint64_t workspace_bytes;
+  int64_t total_q;
+  int32_t max_seqlen_k;
+
   // Queries and outputs (total_q, Hq, d), lse (total_q, Hq) or nullptr; strides in elements.
   const void* q;
   int64_t q_token_stride;

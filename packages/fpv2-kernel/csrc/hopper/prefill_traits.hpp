@@ -47,8 +47,11 @@ constexpr int prefill_stages(int head_dim) {
   return head_dim == 64 ? 4 : (head_dim == 128 || head_dim == 256 ? 2 : 0);
 }
 
-template <int kHeadDim_, int kStages_ = 2>
+// kSplitKv_: the split-KV instantiation (split_kv.hpp), launched only for calls that split; the others
+// compile without its schedule ranges and partial-row epilogue.
+template <int kHeadDim_, int kStages_ = 2, bool kSplitKv_ = false>
 struct PrefillTraits {
+  static constexpr bool kSplitKv = kSplitKv_;
   using Element = cutlass::bfloat16_t;
   using Accum = float;
 
@@ -162,5 +165,9 @@ struct PrefillTraits {
 // The traits of the compiled instantiation for head dim kHeadDim.
 template <int kHeadDim>
 using PrefillTraitsFor = PrefillTraits<kHeadDim, prefill_stages(kHeadDim)>;
+
+// The split-KV instantiation's traits for head dim kHeadDim.
+template <int kHeadDim>
+using SplitKvTraitsFor = PrefillTraits<kHeadDim, prefill_stages(kHeadDim), true>;
 
 }  // namespace fpv2::hopper

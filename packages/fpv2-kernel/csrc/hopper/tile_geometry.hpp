@@ -38,6 +38,7 @@ struct TileGeometry {
   int n_block_max;
   int n_block_masked;
   int n_pooled_eligible;
+  int split;      // split-KV: which part of the tile's KV tiles this CTA visits (0 without a split)
 
   // Reads the request's lengths (every thread reads the same few words: they stay in L1). Host-callable
   // with host arrays, for the native geometry checks.
@@ -53,6 +54,7 @@ struct TileGeometry {
     t.prefix = t.seqlen_k - t.q_len;
     t.num_rows = t.q_len * group;
     t.row_begin = m_block * kBlockM;
+    t.split = 0;
     if (t.row_begin < t.num_rows) {
       const int row_last = smaller(t.row_begin + kBlockM, t.num_rows) - 1;
       const int p_first = t.row_begin / group;

@@ -38,4 +38,19 @@ FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args) {
   });
 }
 
+FPV2_API int32_t fpv2_prefill_workspace_size(const fpv2_prefill_args_t* args, uint64_t* bytes) {
+  return fpv2::detail::guarded("fpv2_prefill_workspace_size", [&] {
+    if (bytes == nullptr) {
+      return fpv2::detail::fail(FPV2_ERROR_INVALID_ARGUMENT, "fpv2_prefill_workspace_size: bytes is NULL");
+    }
+    *bytes = 0;
+    FPV2_RETURN_IF_ERROR(fpv2::detail::validate_prefill_args(args));
+#if FPV2_HAVE_HOPPER_KERNEL
+    return fpv2::hopper::prefill_workspace_size(*args, bytes);
+#else
+    return FPV2_OK;  // nothing is launched by this build, so nothing needs a workspace
+#endif
+  });
+}
+
 }  // extern "C"

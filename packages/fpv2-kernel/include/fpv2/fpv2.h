@@ -27,7 +27,7 @@
 #include <stdint.h>
 
 #define FPV2_ABI_VERSION_MAJOR 1
-#define FPV2_ABI_VERSION_MINOR 2
+#define FPV2_ABI_VERSION_MINOR 3
 
 #if defined(_WIN32)
 #define FPV2_API
@@ -224,8 +224,18 @@ FPV2_API int32_t fpv2_validate_prefill(const fpv2_prefill_args_t* args);
 FPV2_API int32_t fpv2_hopper_kernel_available(void);
 
 /* Block-sparse (or dense) causal paged prefill. Validates args first; returns
- * FPV2_ERROR_NOT_BUILT when the kernel is not part of this build. */
+ * FPV2_ERROR_NOT_BUILT when the kernel is not part of this build.
+ * Split-KV (ABI 1.3): when the call has too few query tiles to fill the GPU (a short chunk after a
+ * long cached prefix, small batches), the kernel splits each tile's KV blocks over several CTAs and
+ * merges their partial rows; it does so only when args->workspace holds at least the bytes that
+ * fpv2_prefill_workspace_size reports (else it runs one CTA per tile: the same result). The
+ * workspace must be 256-byte aligned and may be reused once the call's stream is past it. */
 FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args);
+
+/* ABI 1.3: the workspace bytes fpv2_prefill would use for args (0 when it would not split);
+ * args->workspace is not read. Validates args like fpv2_prefill (the same refusals); 0 bytes and
+ * FPV2_OK when the kernel is not part of this build. */
+FPV2_API int32_t fpv2_prefill_workspace_size(const fpv2_prefill_args_t* args, uint64_t* bytes);
 
 #ifdef __cplusplus
 } /* extern "C" */

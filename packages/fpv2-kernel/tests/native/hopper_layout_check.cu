@@ -19,7 +19,8 @@
 //      the 64-token tiles of d = 256;
 //   5. BlockSchedule over random CSR segments: with 64-token tiles (two per index block, d = 256) it visits
 //      exactly the visible tiles of the kept blocks, each once, in descending order, and every kept block at
-//      least once; with 128-token tiles, the kept blocks themselves.
+//      least once; with 128-token tiles, the kept blocks themselves; split-KV's parts cover that schedule
+//      and its pooled tiles exactly once, in order, balanced to one stage.
 // Checks 1-3 run for the traits of every built head dim (kPrefillHeadDims), which also prints the shared
 // memory each instantiation asks for. Prints the layouts it used and exits 1 if any check failed.
 #include <algorithm>
@@ -41,6 +42,7 @@
 #include "hopper/shared_storage.hpp"
 #include "hopper/persistent_order.hpp"
 #include "hopper/block_schedule.hpp"
+#include "hopper/split_kv.hpp"
 #include "hopper/tile_geometry.hpp"
 
 using namespace cute;
@@ -356,6 +358,7 @@ struct ScheduleParams {
   const int32_t* index_tile_offsets;
   int num_kv_heads;
   int has_correction;
+  int num_splits;
 };
 
 // BlockSchedule against the set it must visit: random ascending CSR segments of visible blocks (the
@@ -364,6 +367,7 @@ template <class Traits>
 void check_schedule() {
   using Geometry = fpv2::hopper::TileGeometry<Traits::kBlockM, Traits::kBlockN, Traits::kBlockSize>;
   using Schedule = fpv2::hopper::BlockScheduleFor<Traits>;
+  using SplitSchedule = fpv2::hopper::BlockSchedule<Traits::kTilesPerBlock, /*kSplitKv=*/true>;
   constexpr int kTiles = Traits::kTilesPerBlock;
   std::mt19937 rng(99 + Traits::kHeadDim);
   int visited = 0;
@@ -385,7 +389,7 @@ void check_schedule() {
       offsets.push_back(int32_t(blocks.size()));
     }
     const int32_t tile_offsets[2] = {0, num_tiles};
-    const ScheduleParams params{offsets.data(), blocks.data(), tile_offsets, 1, 1};
+    const ScheduleParams params{offsets.data(), blocks.data(), tile_offsets, 1, 1, 1};
     for (int m = 0; m < num_tiles; ++m) {
       const Geometry g = Geometry::load(0, 0, m, group, cu, seqlens_k);
       const Schedule s = Schedule::make(params, g, Traits::kBlockN);
@@ -405,9 +409,52 @@ void check_schedule() {
       expect(s.num_correction == (g.n_pooled_eligible + Traits::kBlockN - 1) / Traits::kBlockN,
              "pooled tiles cover the eligible blocks: tile", m);
       visited += s.num_kept;
+      // Split-KV: the splits' parts, in split order, are the whole schedule (kept tiles, then pooled ones),
+      // each stage exactly once, and no part is more than one stage longer than another.
+      for (int splits : {2, 3, 5, 16}) {
+        ScheduleParams split_params = params;
+        split_params.num_splits = splits;
+        std::vector<int> kept_seen, pooled_seen;
+        int shortest = 1 << 30, longest = 0;
+        for (int k = 0; k < splits; ++k) {
+          Geometry part_tile = g;
+          part_tile.split = k;
+          const SplitSchedule part = SplitSchedule::make(split_params, part_tile, Traits::kBlockN);
+          for (int i = 0; i < part.num_kept; ++i) kept_seen.push_back(part.block(i));
+          for (int c = 0; c < part.num_correction; ++c) pooled_seen.push_back(part.pooled_tile(c));
+          shortest = std::min(shortest, part.num_stages());
+          longest = std::max(longest, part.num_stages());
+        }
+        expect(kept_seen == expected, "the splits' kept tiles are the schedule's: tile, splits", m, splits);
+        expect(int(pooled_seen.size()) == s.num_correction, "the splits' pooled tiles: tile, splits, count", m,
+               splits, long(pooled_seen.size()));
+        for (int c = 0; c < int(pooled_seen.size()); ++c) {
+          expect(pooled_seen[c] == c, "the splits' pooled tiles in order: tile, splits, c", m, splits, c);
+        }
+        expect(longest - shortest <= 1, "balanced splits: tile, splits, spread", m, splits, longest - shortest);
+      }
     }
   }
   std::printf("schedule: %d KV tiles of %d tokens checked\n", visited, Traits::kBlockN);
+}
+
+// Split-KV's automatic count and workspace (split_kv.hpp): none once the CTAs fill the SMs, the most splits
+// that still fit one wave otherwise, at most one per 8 KV blocks and kMaxKvSplits; the workspace holds the partial
+// rows and lse of every split, both 256-byte aligned.
+void check_split_kv_rules() {
+  using namespace fpv2::hopper;
+  expect(auto_kv_splits(132, 132, 1 << 20) == 1 && auto_kv_splits(4000, 132, 1 << 20) == 1, "no split at >= SMs");
+  expect(auto_kv_splits(28, 132, 8192) == 4, "28 CTAs on 132 SMs: 4 splits, one wave", auto_kv_splits(28, 132, 8192));
+  expect(auto_kv_splits(128, 132, 1 << 20) == 1, "128 CTAs: a second wave would not pay", auto_kv_splits(128, 132, 1 << 20));
+  expect(auto_kv_splits(66, 132, 1 << 20) == 2, "66 CTAs: 2 splits", auto_kv_splits(66, 132, 1 << 20));
+  expect(auto_kv_splits(28, 132, 2048) == 2, "2048 keys: 16 blocks, at most 2 splits", auto_kv_splits(28, 132, 2048));
+  expect(auto_kv_splits(28, 132, 500) == 1, "short requests: no split", auto_kv_splits(28, 132, 500));
+  expect(auto_kv_splits(1, 132, 1 << 20) == kMaxKvSplits, "capped at kMaxKvSplits", auto_kv_splits(1, 132, 1 << 20));
+  expect(split_workspace_bytes(100, 32, 128, 1) == 0, "one split needs no workspace");
+  const uint64_t out = split_out_bytes(100, 32, 128, 3);
+  expect(out == align_workspace(3ull * 100 * 32 * 128 * 4) && out % kWorkspaceAlignment == 0, "partial rows' bytes");
+  expect(split_workspace_bytes(100, 32, 128, 3) == out + align_workspace(3ull * 100 * 32 * 4), "workspace bytes");
+  std::printf("split-KV rules: checked\n");
 }
 
 // The persistent CTAs' snake order: every tile exactly once over all CTAs and waves, and, for tiles of
@@ -509,7 +556,8 @@ int main() {
                         {"tile geometry vs brute force, 64-token tiles", check_geometry<HalfBlockTiles>},
                         {"block schedule, 128-token tiles", check_schedule<WholeBlockTiles>},
                         {"block schedule, 64-token tiles", check_schedule<HalfBlockTiles>},
-                        {"persistent tile order", check_persistent_order}});
+                        {"persistent tile order", check_persistent_order},
+                        {"split-KV count and workspace", check_split_kv_rules}});
   std::printf("layout check: %s (%d failed check(s))\n", failed ? "FAIL" : "PASS", failed);
   return failed ? 1 : 0;
 }

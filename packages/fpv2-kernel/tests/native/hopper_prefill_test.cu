@@ -3,7 +3,8 @@
 // -DFPV2_BUILD_HOPPER_KERNEL=ON.
 //
 //   fpv2_hopper_prefill_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10]
-//                          [--keep 0.03] [--batch 1] [--page-size 128] [--head-dim 128] [--seed N]
+//                          [--keep 0.03] [--batch 1] [--page-size 128] [--head-dim 128] [--query-len Q]
+//                          [--seed N]
 //
 //   correctness  the refusal checks, then a grid of cases for every built head dim (kPrefillHeadDims:
 //                B in {1, 3}, GQA 1/3/4/8, page sizes 1/16/24/64/128/256, lengths up to 4K with and without a
@@ -16,7 +17,11 @@
 //                one of the built head dims), page --page-size (128): median of --repeats runs (CUDA events)
 //                and TFLOP/s with the causal convention 4 * B * Hq * L^2 * d / 2, dense, then sparse at
 //                --keep (a random CSR of about that density) without and with the correction; plus a
-//                reference check on 16 sampled query tokens each.
+//                reference check on 16 sampled query tokens each. --query-len Q: the last Q of the L tokens
+//                are queries after a cached prefix of L - Q (a chunked-prefill chunk; few tiles, so the
+//                launcher may split the KV blocks: RESULT's workspace_bytes > 0).
+// FPV2_HOPPER_SPLITS=N (any mode) forces N KV splits where the kernel can split (split_kv.hpp); every run
+// gets the workspace the launcher asks for.
 //   refusals     only the configurations the kernel must refuse (no GPU needed), among them every head dim
 //                the ABI accepts (64, 128, 256) without a compiled instantiation.
 // --seed N offsets every case's fill seed (fresh inputs per run; the seed is printed for reproduction).
@@ -59,6 +64,8 @@ constexpr double kE4M3MaxRelRms = 2e-2;
 constexpr float kE4M3MaxLseErr = 4e-2f;  // scores of pooled keys from e4m3 Q and K
 
 uint64_t g_seed_offset = 0;  // --seed
+int g_query_len = 0;         // --query-len (timing): queries per request after a prefix of L - Q (0: Q = L)
+uint64_t g_last_workspace_bytes = 0;  // of the last run_kernel: split-KV's workspace (0: one CTA per tile)
 
 struct Outcome {
   bool pass = false;
@@ -72,7 +79,9 @@ std::vector<int32_t> all_tokens(int64_t total_q) {
   return t;
 }
 
-// Runs the launcher (after the library's own argument validation), times it with events.
+// Runs the launcher (after the library's own argument validation), times it with events. The workspace
+// is the size the launcher asks for (prefill_workspace_size: split-KV's partial rows, else none), allocated
+// outside the timed events.
 int32_t run_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, cudaStream_t stream, float* ms) {
   fpv2_prefill_args_t args = c.args(stream);
   if (sparse != nullptr) sparse->attach(args);
@@ -81,6 +90,16 @@ int32_t run_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, cudaStr
     std::printf("  validate_prefill_args refused the case: %s\n", fpv2::detail::last_error_message());
     return status;
   }
+  uint64_t workspace_bytes = 0;
+  status = fpv2::hopper::prefill_workspace_size(args, &workspace_bytes);
+  if (status != FPV2_OK) {
+    std::printf("  prefill_workspace_size: status %d: %s\n", status, fpv2::detail::last_error_message());
+    return status;
+  }
+  nt::DeviceBuffer<uint8_t> workspace{static_cast<int64_t>(workspace_bytes)};
+  args.workspace = workspace_bytes > 0 ? workspace.get() : nullptr;
+  args.workspace_bytes = workspace_bytes;
+  g_last_workspace_bytes = workspace_bytes;
   cudaEvent_t start, stop;
   FPV2_TEST_CUDA(cudaEventCreate(&start));
   FPV2_TEST_CUDA(cudaEventCreate(&stop));
@@ -516,15 +535,19 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
                cudaStream_t stream) {
   int failures = 0;
   for (int L : lengths) {
-    // `batch` requests of L tokens each, no prefix.
-    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, std::vector<int>(size_t(batch), L),
-                          std::vector<int>(size_t(batch), 0), 1000 + uint64_t(L), head_dim);
+    // `batch` requests of L KV tokens each: Q = L queries (no prefix), or with --query-len the last Q of
+    // them after a cached prefix of L - Q (a chunk of chunked prefill).
+    const int Q = g_query_len > 0 && g_query_len < L ? g_query_len : L;
+    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, std::vector<int>(size_t(batch), Q),
+                          std::vector<int>(size_t(batch), L - Q), 1000 + uint64_t(L), head_dim);
     s.q_range = 1.0f;
     nt::PagedCase c(s);
-    const double flops = 4.0 * batch * c.num_q_heads() * double(L) * double(L) * head_dim / 2.0;
+    // Causal FLOPs: query i of Q sees L - Q + i + 1 keys (Q = L: the L^2 / 2 convention).
+    const double visible = Q == L ? double(L) * double(L) / 2.0 : double(Q) * (double(L - Q) + double(Q + 1) / 2.0);
+    const double flops = 4.0 * batch * c.num_q_heads() * visible * head_dim;
     // Spot check: the reference on 16 query tokens spread over the batch (the last one included).
     std::vector<int32_t> sample;
-    for (int i = 0; i < 16; ++i) sample.push_back(int32_t((int64_t(L) * batch - 1) * i / 15));
+    for (int i = 0; i < 16; ++i) sample.push_back(int32_t((int64_t(Q) * batch - 1) * i / 15));
     double dense_ms = 0.0, sparse_ms = 0.0;
     const int variants = keep < 0 ? 1 : (page_size % 128 == 0 ? 4 : 3);
     for (int variant = 0; variant < variants; ++variant) {
@@ -556,10 +579,10 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       // Sparse: time relative to density x dense time (target <= 1.15); corrected: overhead over sparse.
       const double vs_density = variant > 0 && dense_ms > 0 ? median / (density * dense_ms) : 1.0;
       const double overhead = variant >= 2 && sparse_ms > 0 ? median / sparse_ms - 1.0 : 0.0;
-      std::printf("[%s] timing L=%d B=%d Hq=32 Hkv=8 d=%d page=%d bf16 causal %-29s density %.4f: median %.3f ms "
+      std::printf("[%s] timing L=%d Q=%d B=%d Hq=32 Hkv=8 d=%d page=%d bf16 causal %-29s density %.4f: median %.3f ms "
                   "over %d runs (min %.3f, max %.3f) -> %.1f dense-equivalent TFLOP/s; time / (density x dense) "
                   "%.3f; correction overhead %.1f%%; sampled check max|err|=%.3e rel_rms=%.3e lse_err=%.3e\n",
-                  sample_ok ? "PASS" : "FAIL", L, batch, head_dim, page_size, impl, density, median, repeats,
+                  sample_ok ? "PASS" : "FAIL", L, Q, batch, head_dim, page_size, impl, density, median, repeats,
                   times.front(), times.back(), flops / (median * 1e9), vs_density, 100.0 * overhead, st.max_abs_err,
                   rel_rms, st.max_lse_err);
       const char* gather = std::getenv("FPV2_HOPPER_GATHER");
@@ -578,13 +601,13 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const char* half_exp = std::getenv("FPV2_HOPPER_POOLED_HALF_EXP");
       const int half_exp_on = half_exp != nullptr && std::strcmp(half_exp, "1") == 0;
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
-      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"head_major\": %d, \"pooled_half_exp\": %d, \"B\": %d, \"L\": %d, \"Hq\": 32, \"Hkv\": 8, "
+      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"head_major\": %d, \"pooled_half_exp\": %d, \"B\": %d, \"L\": %d, \"q_len\": %d, \"workspace_bytes\": %llu, \"Hq\": 32, \"Hkv\": 8, "
                   "\"d\": %d, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "
                   "\"correction_overhead\": %.4f, \"repeats\": %d, \"sample_max_abs_err\": %.4e, "
                   "\"sample_rel_rms\": %.4e}\n",
                   impl, kv_path.c_str(), pingpong_on, persistent_on, overlap_on, request_major_on, head_major_on,
-                  half_exp_on, batch, L, head_dim,
+                  half_exp_on, batch, L, Q, static_cast<unsigned long long>(g_last_workspace_bytes), head_dim,
                   page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
                   st.max_abs_err, rel_rms);
       failures += sample_ok ? 0 : 1;
@@ -634,12 +657,14 @@ int main(int argc, char** argv) {
       head_dim = std::atoi(argv[++i]);
     } else if (arg == "--keep" && i + 1 < argc) {
       keep = std::atof(argv[++i]);
+    } else if (arg == "--query-len" && i + 1 < argc) {
+      g_query_len = std::max(0, std::atoi(argv[++i]));
     } else if (arg == "--seed" && i + 1 < argc) {
       g_seed_offset = std::strtoull(argv[++i], nullptr, 10);
     } else {
       std::fprintf(stderr,
                    "usage: %s [--mode correctness|small|timing|refusals] [--lengths L1,L2] [--repeats N] [--keep P] "
-                   "[--page-size P] [--head-dim D] [--batch B] [--seed N]\n",
+                   "[--page-size P] [--head-dim D] [--batch B] [--query-len Q] [--seed N]\n",
                    argv[0]);
       return 2;
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 
@@ -164,7 +165,9 @@ def hopper_prefill(
         q_descale, k_descale, v_descale: ``(B, Hkv) float32``, required for FP8 inputs.
         softmax_scale: score scale; 0 selects ``1/sqrt(d)``.
         stream: CUDA stream; None uses q's current stream.
-        workspace: optional device scratch memory.
+        workspace: optional device scratch memory (256-byte aligned) for split-KV; None asks the
+            library how much the call can use (``fpv2_prefill_workspace_size``; 0 unless it has too
+            few query tiles to fill the GPU) and allocates it on ``stream``.
         pooled_e4m3: use the E4M3 pooled copies when a plan is given and the page size is a
             multiple of 128; None reads ``$FPV2_HOPPER_POOLED_E4M3`` ("1" on, anything else
             or unset off: off by default, measured no faster than the bf16 pooled products).
@@ -199,6 +202,17 @@ def hopper_prefill(
         pooled_dtype=None if copies is not None else torch.bfloat16,
         pooled_e4m3=copies,
     )
+    if workspace is None and _may_split(q, k_cache, args):
+        # Split-KV (calls with too few query tiles to fill the GPU) needs scratch memory for its partial
+        # rows: ask the library how much, allocated on the launch stream so that the caching allocator does
+        # not hand it out again before the kernel is done with it.
+        needed = ctypes.c_uint64(0)
+        check_status(lib.fpv2_prefill_workspace_size(ctypes.byref(args), ctypes.byref(needed)))
+        if needed.value:
+            with _stream_context(stream, q):
+                workspace = torch.empty(needed.value, dtype=torch.uint8, device=q.device)
+            args.workspace = workspace.data_ptr()
+            args.workspace_bytes = needed.value
     check_status(lib.fpv2_prefill(ctypes.byref(args)))
     return out
 
@@ -224,6 +238,27 @@ def _pooled_e4m3_copies(
     stats = plan.statistics
     with _stream_context(stream, stats.pooled_k):
         return quantize_pooled_e4m3(stats.pooled_k, stats.pooled_v, stats.block_offsets)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _may_split(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> bool:
+    """Whether the library may split the call's KV blocks (csrc/hopper/split_kv.hpp): automatically only with
+    fewer CTAs than SMs, or when ``FPV2_HOPPER_SPLITS`` forces splits.
+
+    Saves the workspace query's host time on every other call; the library decides the rest.
+    """
+    if not q.is_cuda or q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[2] == 0:
+        return False
+    if os.environ.get("FPV2_HOPPER_SPLITS", "") not in ("", "1"):
+        return True  # forced: the library needs the workspace (or says why the setting is wrong)
+    batch = args.batch.contents  # type: ignore[attr-defined]
+    group = q.shape[1] // k_cache.shape[2]
+    tiles = -(-int(batch.max_seqlen_q) * group // 128)
+    return tiles * k_cache.shape[2] * int(batch.num_requests) < _sm_count(q.device)
 
 
 def _stream_context(stream: object, like: torch.Tensor) -> contextlib.AbstractContextManager[object]:

@@ -24,7 +24,7 @@ ABI_VERSION_MAJOR = 1
 #: ABI minor version this binding needs at least (minor versions only append). 1.2 added the correction
 #: plan's E4M3 copies: a 1.1 library would ignore them (and refuse the float32 pooled statistics sent
 #: with them) with a misleading message, so it is refused on load instead.
-ABI_VERSION_MINOR = 2
+ABI_VERSION_MINOR = 3
 #: Environment variable naming the library file to load instead of the packaged one.
 LIBRARY_ENV = "FPV2_KERNEL_LIBRARY"
 #: File name of the library.
@@ -116,12 +116,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fpv2_validate_prefill": ([ctypes.POINTER(PrefillArgsStruct)], i32),
         "fpv2_hopper_kernel_available": ([], i32),
         "fpv2_prefill": ([ctypes.POINTER(PrefillArgsStruct)], i32),
+        "fpv2_prefill_workspace_size": ([ctypes.POINTER(PrefillArgsStruct), ctypes.POINTER(ctypes.c_uint64)], i32),
     }
     for name, (argtypes, restype) in signatures.items():
         try:
             function = getattr(lib, name)
         except AttributeError as exc:
-            raise NativeLibraryError(f"{lib._name} does not export {name}, part of fpv2 C ABI 1.0") from exc
+            raise NativeLibraryError(
+                f"{lib._name} does not export {name}, part of the fpv2 C ABI {ABI_VERSION_MAJOR}.{ABI_VERSION_MINOR} "
+                "this binding speaks"
+            ) from exc
         function.argtypes = argtypes
         function.restype = restype
 

@@ -467,8 +467,13 @@ def prefill_args_struct(
         stream=_stream_handle(stream, q),
     )
     if workspace is not None:
-        ws = tensor_desc(workspace, "workspace")
-        args.workspace = ws.data
+        # Raw scratch bytes: any dtype (torch.uint8 is the natural one), but one dense block of memory.
+        if not isinstance(workspace, torch.Tensor) or not workspace.is_contiguous():
+            raise TypeError(
+                f"workspace must be a contiguous torch.Tensor or None; got {type(workspace).__name__}"
+                + (f" with strides {workspace.stride()}" if isinstance(workspace, torch.Tensor) else "")
+            )
+        args.workspace = workspace.data_ptr()
         args.workspace_bytes = workspace.numel() * workspace.element_size()
     tensors = [q, k_cache, v_cache, out, lse, q_descale, k_descale, v_descale, workspace]
     _keep_alive(args, [*tensors, batch_struct, index_struct, plan_struct])
