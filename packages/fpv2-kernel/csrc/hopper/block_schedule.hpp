@@ -14,7 +14,7 @@
 // kTilesPerBlock KV tiles make one index block (2 at d = 256: 64-token tiles of 128-token blocks). Kept block
 // J is then tiles kTilesPerBlock J .. kTilesPerBlock J + kTilesPerBlock - 1, visited last first; the tiles of
 // the segment's last block that lie past every row (n >= n_block_max: the upper half of a diagonal block)
-// are left out, but always one of its tiles is kept, so a block of the segment is never visited by none.
+// are left out, but one tile of every kept block is always visited.
 //
 // Split-KV (kSplitKv, params.num_splits = S, split_kv.hpp): split k of S visits the contiguous part
 // [k T / S, (k + 1) T / S) of the T = kept + pooled tiles above, so that the S CTAs of a query tile share its
