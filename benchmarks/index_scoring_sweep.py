@@ -72,6 +72,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     "exact+prefetch+qprefetch+poly1": {**EXACT, "key_prefetch": True, "q_prefetch": True, "poly_exp2": 1},
     "exact+pair": {**EXACT, "tiles_per_program": 2},
     "exact+pair+qprefetch+poly1": {**EXACT, "tiles_per_program": 2, "q_prefetch": True, "poly_exp2": 1},
+    # Tile shapes and pipeline depth, for head dims the defaults were not measured at (d = 256).
+    "exact+bn128": {**EXACT, "block_n": 128},
+    "exact+bn128+w8": {**EXACT, "block_n": 128, "num_warps": 8},
+    "exact+stages3": {**EXACT, "num_stages": 3},
 }
 
 

@@ -252,13 +252,15 @@ def test_pool_rejects_bad_inputs() -> None:
 
 
 # --------------------------------------------------------------------------- selection
-# (Hq, Hkv, d, page size, tile size, probe stride, dtype): GQA 1/4/7/8, d 64/128.
+# (Hq, Hkv, d, page size, tile size, probe stride, dtype): GQA 1/4/7/8, d 64/128/256.
 SELECTION_CASES = [
     (2, 2, 64, 16, 64, 1, torch.float16),
     (8, 2, 64, 1, 64, 2, torch.float32),
     (7, 1, 128, 16, 128, 1, torch.float16),  # 128 rows split a group of 7
     (16, 2, 64, 64, 128, 3, torch.float16),
     (8, 2, 128, 16, 32, 1, torch.float32),
+    (8, 2, 256, 16, 64, 1, torch.float16),  # d > 128: the wide-head tile shape (128 keys a step, 8 warps)
+    (4, 1, 256, 1, 128, 2, torch.float32),  # d > 128 probed: the package shape
 ]
 
 

@@ -305,6 +305,30 @@ def test_key_prefetch_is_chosen_per_call_by_the_longest_request(knobs, max_block
     assert replace(chosen, key_prefetch=knobs.key_prefetch) == knobs  # nothing else changes
 
 
+@pytest.mark.parametrize(
+    ("knobs", "rows", "wide"),
+    [
+        (ScoreTuning(prefetch_max_blocks=512), 128, True),  # the package shape: 128 keys a step on 8 warps
+        (ScoreTuning(prefetch_max_blocks=512, mma_store=True, tree_max=True), 128, True),
+        (ScoreTuning(prefetch_max_blocks=512), 64, False),  # probing: not measured at d = 256
+        (ScoreTuning(tiles_per_program=2), 128, False),  # the pair walk: not measured there
+        (ScoreTuning(block_n=128), 128, False),  # a shape set by hand stays as set
+        (ScoreTuning(key_prefetch=True), 128, False),
+    ],
+)
+def test_wide_heads_take_the_wide_tile_shape(knobs, rows, wide) -> None:
+    # d = 256 (measured on the H200, bit-identical indices): 128 pooled keys a step on 8 warps, without the
+    # short-call prefetch, which that shape was not measured with; d <= 128 keeps the package shape.
+    chosen = knobs.for_call(256, rows, tile_size=128, head_dim=256)
+    if wide:
+        assert (chosen.block_n, chosen.num_warps, chosen.key_prefetch) == (128, 8, False)
+        assert replace(chosen, block_n=knobs.block_n, num_warps=knobs.num_warps) == knobs
+    else:
+        assert chosen == knobs
+    narrow = knobs.for_call(256, rows, tile_size=128, head_dim=128)
+    assert (narrow.block_n, narrow.num_warps) == (knobs.block_n, knobs.num_warps)
+
+
 def test_select_launches_with_the_per_call_knobs(monkeypatch) -> None:
     # The selection hands the per-call choice to the kernel launch (short call: the prefetch is on).
     w = planted_workload(

@@ -399,7 +399,9 @@ def select_blocks_triton(
     if keys is None:
         keys = launch_prepare_keys(statistics.pooled_k, scale_log2, kind)
     # Read once: the work split, the grid, the workspace and the launch must agree.
-    knobs = tuning.SCORE.for_call(max_blocks, score_rows(tile_size, config.probe_stride), tile_size)
+    knobs = tuning.SCORE.for_call(
+        max_blocks, score_rows(tile_size, config.probe_stride), tile_size, head_dim=statistics.head_dim
+    )
     total_units = num_units(tiles, knobs.tiles_per_program)
     num_programs = workspace.num_programs(
         heads * total_units, device, score_rows(tile_size, config.probe_stride), statistics.head_dim

@@ -115,18 +115,29 @@ class ScoreTuning:
     q_prefetch: bool = False
     prefetch_max_blocks: int = 0
 
-    def for_call(self, max_blocks: int, rows: int, tile_size: int) -> ScoreTuning:
-        """The knobs one call launches with: these, with ``key_prefetch`` on when the call is short enough.
+    def for_call(self, max_blocks: int, rows: int, tile_size: int, head_dim: int = 128) -> ScoreTuning:
+        """The knobs one call launches with: these, with ``key_prefetch`` on when the call is short enough, and
+        the wide-head tile shape at ``d > 128``.
 
         Args:
             max_blocks: key blocks of the call's longest request.
             rows: scored rows per tile after probing.
             tile_size: packed rows per tile (``rows < tile_size`` means probing, which was not measured).
+            head_dim: ``d`` of the call.
 
         Returns:
-            ``self``, or a copy with ``key_prefetch=True`` when ``max_blocks <= prefetch_max_blocks``,
-            every row is scored and one tile runs per program.
+            ``self``; or, at ``d > 128`` for the default shape (64 keys a step, 4 warps, one tile a program,
+            every row scored, no forced prefetch), a copy with 128 keys a step on 8 warps and no prefetch
+            (H200, d = 256, planted, page 1, ``results/2026-12-01-h200-index-d256-sweep``: index 0.693 -> 0.640 ms
+            at 32K, 1.648 -> 1.460 ms at 64K, 4.763 -> 4.182 ms at 128K, 0 (segment, block) pairs differing);
+            else a copy with ``key_prefetch=True`` when ``max_blocks <= prefetch_max_blocks``, every row is
+            scored and one tile runs per program.
         """
+        if head_dim > 128:
+            default_shape = self.block_n == 64 and self.num_warps == 4 and not self.key_prefetch
+            if default_shape and self.tiles_per_program == 1 and rows >= tile_size:
+                return _with_wide_head_tiles(self)
+            return self
         if (
             self.key_prefetch
             or self.tiles_per_program != 1
@@ -190,6 +201,12 @@ class ScoreTuning:
         if head_dim > 128:
             return None
         return self.pair_maxnreg if self.tiles_per_program == 2 and rows >= 128 else self.maxnreg
+
+
+@functools.lru_cache(maxsize=16)
+def _with_wide_head_tiles(knobs: ScoreTuning) -> ScoreTuning:
+    """``knobs`` with the ``d > 128`` tile shape (128 keys a step, 8 warps), built once per knob set."""
+    return replace(knobs, block_n=128, num_warps=8)
 
 
 @functools.lru_cache(maxsize=16)

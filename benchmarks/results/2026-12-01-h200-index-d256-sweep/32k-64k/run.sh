@@ -1,0 +1,1 @@
+PYTHONPATH=packages/*/src:benchmarks python3 benchmarks/index_scoring_sweep.py --seqlens 32768 65536 --head-dim 256 --repeats 10 --no-profile --variants exact exact+bn128+w8 exact+prefetch --out $OUT/sweep
