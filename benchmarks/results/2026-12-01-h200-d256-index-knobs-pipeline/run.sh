@@ -1,0 +1,1 @@
+for L in 131072 32768; do python3 -m fpv2.serving bench -B 1 -L $L --head-dim 256 --page-size 128 --alpha 0.1 --no-progress --repeats 5 --warmup 2 --out $OUT/d256-$L; done  (library: the split-KV build, 5aacd94; Python at 673870b)
