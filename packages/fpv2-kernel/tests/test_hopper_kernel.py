@@ -11,6 +11,8 @@ every head dim the loaded library was built for (``hopper_head_dims()``).
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -198,6 +200,99 @@ def test_forced_splits_without_workspace_are_refused(paged_case, monkeypatch):
     monkeypatch.setenv("FPV2_HOPPER_SPLITS", "17")
     with pytest.raises(ValueError, match="FPV2_HOPPER_SPLITS=17"):
         native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch)
+
+
+#: Uneven requests (query lengths and cached prefixes differ) with more CTAs than an H200 has SMs
+#: (47 query tiles x 2 KV heads x 4 requests = 376): the launcher orders their tiles by work.
+ORDER_SEQLENS_Q = [700, 3, 1500, 260]
+ORDER_SEQLENS_K = [700, 903, 1628, 260]
+
+
+def _workspace_bytes(case, index=None, plan=None) -> int:
+    """What the library asks for the call (``fpv2_prefill_workspace_size``)."""
+    args = native.prefill_args_struct(
+        case.q, case.k_cache, case.v_cache, torch.empty_like(case.q), case.batch, index=index, plan=plan,
+        pooled_dtype=torch.bfloat16,
+    )  # fmt: skip
+    needed = ctypes.c_uint64(0)
+    native.check_status(
+        native.load_native_library().fpv2_prefill_workspace_size(ctypes.byref(args), ctypes.byref(needed))
+    )
+    return needed.value
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("schedule", ["auto", "forced", "persistent"])
+@pytest.mark.parametrize("mode", ["dense", "sparse", "corrected"])
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_work_order_matches_the_reference(paged_case, hand_index, monkeypatch, head_dim, page_size, mode, schedule):
+    # The kept-block work order (csrc/hopper/work_order.hpp) permutes which tile each CTA computes: a tile
+    # left out keeps its NaN poison, one computed twice means another is left out. "auto" is the launcher's
+    # choice for this uneven batch (asserted through the workspace it asks for), "forced" sets
+    # FPV2_HOPPER_WORK_ORDER=1, "persistent" walks the sorted tiles with persistent CTAs (TMA pages only).
+    _require_kernel()
+    if schedule != "auto":
+        monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "1")
+    if schedule == "persistent":
+        monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "1")
+    case = paged_case(
+        ORDER_SEQLENS_Q, ORDER_SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", seed=47 + page_size + head_dim + len(mode),
+    )  # fmt: skip
+    index = plan = None
+    if mode != "dense":
+        index, _ = hand_index(
+            case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128, keep=_keep_some(9, 0.3)
+        )
+    if mode == "corrected":
+        plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch))
+    assert _workspace_bytes(case, index, plan) > 0, "the launcher did not order this uneven batch's tiles"
+    lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
+    got = native.hopper_prefill(
+        case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, index=index, plan=plan, lse=lse
+    )
+    if index is None:
+        want, want_lse = dense_attention(
+            case.q, case.k_cache, case.v_cache, case.batch, compute_dtype=torch.float64, return_lse=True
+        )
+        same = dense_attention(case.q, case.k_cache, case.v_cache, case.batch).to(torch.bfloat16)
+    else:
+        want, want_lse = sparse_attention(
+            case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, compute_dtype=torch.float64,
+            return_lse=True,
+        )  # fmt: skip
+        same = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan).to(torch.bfloat16)
+    _check(got, want, same)
+    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=5e-3 if plan else 1e-3)
+
+
+@pytest.mark.hopper
+def test_work_order_is_chosen_for_uneven_batches_only(paged_case, monkeypatch):
+    _require_kernel()
+    d = BUILT_HEAD_DIMS[0]
+
+    def case_of(seqlens_q, seqlens_k):
+        return paged_case(seqlens_q, seqlens_k, num_q_heads=8, num_kv_heads=2, head_dim=d, page_size=128,
+                          dtype=torch.bfloat16, device="cuda", seed=5)  # fmt: skip
+
+    uneven = case_of(ORDER_SEQLENS_Q, ORDER_SEQLENS_K)
+    assert _workspace_bytes(uneven) > 0
+    # Equal fresh requests, and one request: the decoded order already starts the longest tiles first.
+    assert _workspace_bytes(case_of([1500] * 4, [1500] * 4)) == 0
+    assert _workspace_bytes(case_of([6000], [6000])) == 0
+    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "0")
+    assert _workspace_bytes(uneven) == 0
+    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "1")
+    assert _workspace_bytes(case_of([6000], [6000])) > 0
+    too_small = torch.empty(256, dtype=torch.uint8, device="cuda")
+    with pytest.raises(native.NativeError, match="FPV2_HOPPER_WORK_ORDER=1: the work order of .* tiles needs"):
+        native.hopper_prefill(
+            uneven.q, uneven.k_cache, uneven.v_cache, _poisoned(uneven), uneven.batch, workspace=too_small
+        )
+    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "2")
+    with pytest.raises(ValueError, match="FPV2_HOPPER_WORK_ORDER=2"):
+        native.hopper_prefill(uneven.q, uneven.k_cache, uneven.v_cache, _poisoned(uneven), uneven.batch)
 
 
 @pytest.mark.hopper

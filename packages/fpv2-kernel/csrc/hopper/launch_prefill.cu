@@ -13,6 +13,7 @@
 #include "hopper/prefill_instances.hpp"
 #include "hopper/prefill_plan.hpp"
 #include "hopper/split_kv.hpp"
+#include "hopper/work_order.hpp"
 #include "validate/struct_checks.hpp"
 #include "validate/tensor_checks.hpp"
 
@@ -291,6 +292,57 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
   return FPV2_OK;
 }
 
+// Sets plan.work_order (work_order.hpp) for a call that does not split, after choose_kv_splits.
+// FPV2_HOPPER_WORK_ORDER: unset or "" chooses it (automatic), "0" turns it off, "1" forces it. Automatic:
+// on for more tiles than SMs in a batch whose requests may differ in work (several requests whose query
+// lengths differ or that have cached prefixes: the grid's decoded order then puts a heavy request's tiles
+// wherever the request sits in the batch); off at B = 1 and for equal fresh requests, where the decoded order
+// already starts each request's longest tiles first. Automatic needs the workspace (else off: the same
+// result in the decoded order); forced is refused without it. `sizing`: as if the workspace were unbounded.
+int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
+  plan.work_order = 0;
+  const char* value = std::getenv("FPV2_HOPPER_WORK_ORDER");
+  const bool set = value != nullptr && *value != '\0';
+  int32_t forced = 0;
+  if (set) FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_WORK_ORDER", 0, &forced));
+  if (plan.num_splits > 1 || (set && !forced)) return FPV2_OK;
+  const int64_t num_tiles =
+      (int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) / FPV2_KERNEL_TILE_SIZE *
+      plan.num_kv_heads * plan.num_requests;
+  if (!forced) {
+    const bool uneven = plan.num_requests > 1 && (plan.total_q != int64_t(plan.num_requests) * plan.max_seqlen_q ||
+                                                 plan.max_seqlen_k > plan.max_seqlen_q);
+    if (!uneven) return FPV2_OK;
+    int sms = 0;
+    const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) {
+      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cannot query the SM count: %s", cudaGetErrorString(err)));
+    }
+    if (num_tiles <= sms) return FPV2_OK;  // one wave: the order cannot change when a tile starts
+  }
+  const uint64_t need = work_order_workspace_bytes(num_tiles);
+  if (sizing) {
+    plan.work_order = 1;
+    return FPV2_OK;
+  }
+  if (plan.workspace == nullptr || plan.workspace_bytes < need) {
+    if (!forced) return FPV2_OK;
+    return fail(FPV2_ERROR_WORKSPACE_TOO_SMALL,
+                format("environment FPV2_HOPPER_WORK_ORDER=1: the work order of %lld tiles needs %llu bytes of "
+                       "workspace (fpv2_prefill_workspace_size); got fpv2_prefill_args_t.workspace_bytes=%llu",
+                       ll(num_tiles), static_cast<unsigned long long>(need),
+                       static_cast<unsigned long long>(plan.workspace_bytes)));
+  }
+  if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment != 0) {
+    if (!forced) return FPV2_OK;
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("fpv2_prefill_args_t.workspace=%p: the work order needs a %llu-byte aligned workspace",
+                       plan.workspace, static_cast<unsigned long long>(kWorkspaceAlignment)));
+  }
+  plan.work_order = 1;
+  return FPV2_OK;
+}
+
 // Checks `args` against what the kernel serves and fills `plan` (without the splits); `guard` selects the
 // call's device.
 int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, PrefillPlan& plan) {
@@ -463,8 +515,13 @@ int32_t prefill_workspace_size(const fpv2_prefill_args_t& args, uint64_t* bytes)
   PrefillPlan plan{};
   FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
   FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device(), /*sizing=*/true));
+  FPV2_RETURN_IF_ERROR(choose_work_order(plan, guard.device(), /*sizing=*/true));
   *bytes = split_workspace_bytes(plan.total_q, int64_t(plan.num_kv_heads) * plan.group, plan.head_dim,
                                  plan.num_splits);
+  if (plan.work_order) {
+    *bytes = work_order_workspace_bytes((int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) /
+                                        FPV2_KERNEL_TILE_SIZE * plan.num_kv_heads * plan.num_requests);
+  }
   return FPV2_OK;
 }
 
@@ -473,6 +530,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   PrefillPlan plan{};
   FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
   FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device()));
+  FPV2_RETURN_IF_ERROR(choose_work_order(plan, guard.device()));
   // One case per entry of kPrefillHeadDims (prefill_instances.hpp).
   switch (plan.head_dim) {
     case 64:

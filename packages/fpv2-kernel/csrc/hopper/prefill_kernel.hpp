@@ -28,7 +28,10 @@
 // tile each walk one contiguous part of its schedule and store normalised fp32 rows and their lse; the
 // launcher then merges them (split_combine.hpp). Its own instantiation of the overlapped consumers.
 //
-// Not yet here (next steps of issue 5): a scheduler ordered by kept-block work (heaviest first), FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
+// Kept-block work order (work_order.hpp, automatic for uneven batches): tile slot i computes the i-th tile
+// by decreasing kept-block work, so the heaviest tiles start first (tile_order.hpp).
+//
+// Not yet here: FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
 // pooled statistics: kPooledE4M3, overlapped consumers only). Head dims 64, 128 and 256 are instantiated
 // (prefill_instances.hpp), each with the K/V stages of prefill_stages().
 #pragma once
@@ -52,6 +55,7 @@
 #include "hopper/persistent_order.hpp"
 #include "hopper/shared_storage.hpp"
 #include "hopper/tile_geometry.hpp"
+#include "hopper/tile_order.hpp"
 
 // wgmma and setmaxnreg exist only for the architecture-specific target sm_90a.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -74,36 +78,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
   Storage& smem = *reinterpret_cast<Storage*>((base + kSmemTileAlignment - 1) & ~uintptr_t(kSmemTileAlignment - 1));
 
-  // Work tiles in a 1-D order, query tiles in decreasing order so that the tiles taken first have the
-  // longest causal rows. Default: (KV head, request) fastest, the query tile slowest. Request-major
-  // (params.request_major): request slowest, then the query tile, KV head fastest, so the CTAs resident
-  // together read the K/V of one request and share it in L2 (at B = 1 both orders are the same).
-  // One CTA per tile, or (kPersistent) one CTA per SM walking tiles blockIdx.x, + gridDim.x, ...
+  // Work tiles in a 1-D order (tile_order.hpp: head-major by default, optionally through the kept-block
+  // work order of work_order.hpp). One CTA per tile, or (kPersistent) one CTA per SM walking the snake order.
   const int heads_x_requests = params.num_kv_heads * params.num_requests;
-  // Head-major (params.head_major, the default; FPV2_HOPPER_HEAD_MAJOR=0 turns it off): request slowest, then
-  // the KV head, the query tile fastest, so the CTAs resident together are consecutive query tiles of one KV
-  // head and share its kept blocks (the index's columns are per KV head) in L2. With the KV head fastest the
-  // sparse kernel read most of its K/V from DRAM (ncu 2026-12-01, random CSR at 128K: 30.5 GB, 15% L2 hits).
-  // Measured: launch_prefill.cu.
-  auto tile_at = [&](int index) {
-    if (params.head_major) {
-      int rest, m_from_last, request, kv_head;
-      params.m_blocks_divmod(rest, m_from_last, index);
-      params.kv_heads_divmod(request, kv_head, rest);
-      return Geometry::load(request, kv_head, params.num_m_blocks - 1 - m_from_last, params.group,
-                            params.cu_seqlens_q, params.seqlens_k);
-    }
-    // Digits of the index, fastest first: the KV head, then `middle`, then `outer`; the flag (0 or 1) only
-    // swaps which of the two is the request.
-    const int rm = params.request_major;
-    const int period = params.num_kv_heads * (rm * params.num_m_blocks + (1 - rm) * params.num_requests);
-    const int outer = index / period, inner = index % period;
-    const int middle = inner / params.num_kv_heads;
-    const int request = rm * outer + (1 - rm) * middle;
-    const int m_from_last = rm * middle + (1 - rm) * outer;
-    return Geometry::load(request, inner % params.num_kv_heads, params.num_m_blocks - 1 - m_from_last, params.group,
-                          params.cu_seqlens_q, params.seqlens_k);
-  };
+  auto tile_at = [&](int index) { return fpv2::hopper::tile_at<Geometry>(params, index); };
   // Persistent CTAs: the CTA's k-th tile is in the snake order of persistent_order.hpp; producer and consumers
   // walk its valid tiles (uniform over the CTA) with this one function, so they agree on every tile.
   // next_valid(k, tile): the first k' >= k whose tile is valid (written to `tile`), or -1.

@@ -21,6 +21,7 @@
 #include "hopper/shared_storage.hpp"
 #include "hopper/split_combine.hpp"
 #include "hopper/split_kv.hpp"
+#include "hopper/work_order.hpp"
 
 namespace fpv2::hopper {
 
@@ -51,6 +52,37 @@ inline int32_t check_tensor_map_entry_point() {
 }
 
 }  // namespace detail
+
+// The kept-block work order of `params`' tiles (work_order.hpp) into `workspace` (work_order_workspace_bytes,
+// checked by the launcher); on success params.tile_order points at it.
+template <class Traits, class Params>
+int32_t launch_work_order(Params& params, int num_tiles, void* workspace, cudaStream_t stream) {
+  using Geometry = TileGeometry<Traits::kBlockM, Traits::kBlockN, Traits::kBlockSize>;
+  char* base = static_cast<char*>(workspace);
+  int32_t* counts = reinterpret_cast<int32_t*>(base);
+  uint8_t* keys = reinterpret_cast<uint8_t*>(base + work_order_keys_offset());
+  int32_t* permutation = reinterpret_cast<int32_t*>(base + work_order_permutation_offset(num_tiles));
+  cudaError_t err = cudaMemsetAsync(counts, 0, 2 * kWorkBuckets * sizeof(int32_t), stream);
+  const unsigned blocks = static_cast<unsigned>((num_tiles + kWorkOrderThreads - 1) / kWorkOrderThreads);
+  params.tile_order = nullptr;  // the keys are computed in the decoded order
+  if (err == cudaSuccess) {
+    work_keys_kernel<Traits, Geometry, BlockScheduleFor<Traits>><<<blocks, kWorkOrderThreads, 0, stream>>>(
+        params, num_tiles, keys, counts);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) {
+    work_scatter_kernel<kWorkOrderThreads><<<blocks, kWorkOrderThreads, 0, stream>>>(
+        num_tiles, keys, counts, counts + kWorkBuckets, permutation);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) {
+    return fpv2::detail::fail(FPV2_ERROR_CUDA,
+                              fpv2::detail::format("fpv2 Hopper prefill: the work order of %d tiles failed to launch: %s",
+                                                   num_tiles, cudaGetErrorString(err)));
+  }
+  params.tile_order = permutation;
+  return FPV2_OK;
+}
 
 // The launch of one instantiation's traits: PrefillTraitsFor<d>, or SplitKvTraitsFor<d> for calls that
 // split (run_prefill below).
@@ -110,7 +142,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
                                     make_shape(plan.cache_cols, e4m3_rows),
                                     make_stride(int64_t(e4m3_rows), _1{}));
   constexpr float kLog2e = 1.4426950408889634f;
-  const Params params{
+  Params params{
       make_tma_copy(SM90_TMA_LOAD{}, k_rows, typename Traits::SmemLayoutKStage{}, typename Params::TileK{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, v_cols, typename Traits::SmemLayoutVtStage{}, typename Params::TileVt{}, _1{}),
       plan.cache_rows,
@@ -179,6 +211,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
                                      split_out_bytes(plan.total_q, int64_t(plan.num_kv_heads) * plan.group, kHeadDim,
                                                      plan.num_splits))
           : nullptr,
+      nullptr,  // tile_order: set below when the launcher chose the work order
   };
 
   // The launcher sends the E4M3 copies only with the overlapped consumers, and only to the instantiations
@@ -223,6 +256,11 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
     return fpv2::detail::fail(FPV2_ERROR_UNSUPPORTED,
                               fpv2::detail::format("fpv2 Hopper prefill: %lld CTAs x %d KV splits exceed the 1-D grid",
                                                    static_cast<long long>(num_ctas), plan.num_splits));
+  }
+  if constexpr (!Traits::kSplitKv) {  // a call that splits runs in one wave: nothing to order
+    if (plan.work_order) {
+      FPV2_RETURN_IF_ERROR(launch_work_order<Traits>(params, static_cast<int>(num_ctas), plan.workspace, stream));
+    }
   }
   if (persistent) {
     int device = 0, sms = 0;

@@ -147,6 +147,10 @@ struct PrefillParams {
   int64_t total_q;
   float* split_out;
   float* split_lse;
+
+  // Work order (work_order.hpp): tile slot i computes tile tile_order[i] of the decoded order; nullptr: the
+  // decoded order itself (tile_order.hpp).
+  int32_t const* tile_order;
 };
 
 }  // namespace fpv2::hopper

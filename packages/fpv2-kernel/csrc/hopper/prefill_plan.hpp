@@ -22,6 +22,9 @@ struct PrefillPlan {
   // Split-KV (split_kv.hpp): the splits chosen by the launcher (1 = none) and the caller's workspace that
   // holds their partial rows.
   int32_t num_splits;
+  // Kept-block work order (work_order.hpp): 1 = the launch first sorts the tiles by decreasing work into
+  // the workspace (calls that do not split only).
+  int32_t work_order;
   void* workspace;
   uint64_t workspace_bytes;
   int64_t total_q;

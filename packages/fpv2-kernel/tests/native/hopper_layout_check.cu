@@ -44,6 +44,7 @@
 #include "hopper/block_schedule.hpp"
 #include "hopper/split_kv.hpp"
 #include "hopper/tile_geometry.hpp"
+#include "hopper/work_order.hpp"
 
 using namespace cute;
 
@@ -486,6 +487,45 @@ void check_persistent_order() {
   }
 }
 
+// The work order's host-visible rules (work_order.hpp): buckets monotone in the work, two per octave, 0 only
+// for no work, capped; bucket bases count the heavier buckets; the workspace's parts aligned and disjoint.
+// (Its kernels are checked on the device: the grid under FPV2_HOPPER_WORK_ORDER=1 poisons every output, so a
+// tile left out or computed twice fails there.)
+void check_work_order_rules() {
+  using namespace fpv2::hopper;
+  expect(work_bucket(0) == 0 && work_bucket(-3) == 0, "no work: bucket 0");
+  expect(work_bucket(1) == 1 && work_bucket(2) == 3 && work_bucket(3) == 4, "buckets of 1, 2, 3", work_bucket(1),
+         work_bucket(2), work_bucket(3));
+  expect(work_bucket(16) == 9 && work_bucket(23) == 9 && work_bucket(24) == 10 && work_bucket(31) == 10,
+         "two buckets per octave: 16..23, 24..31", work_bucket(16), work_bucket(24), work_bucket(31));
+  int previous = 0;
+  for (int stages = 1; stages <= 1 << 17; ++stages) {
+    const int b = work_bucket(stages);
+    expect(b >= previous && b >= 1 && b < kWorkBuckets, "monotone, inside the buckets: stages, bucket", stages, b);
+    previous = b;
+  }
+  expect(work_bucket(1 << 15) == kWorkBuckets - 1 && work_bucket(1 << 30) == kWorkBuckets - 1, "capped");
+  int32_t counts[kWorkBuckets] = {};
+  counts[0] = 5;
+  counts[3] = 7;
+  counts[9] = 11;
+  counts[kWorkBuckets - 1] = 2;
+  expect(work_bucket_base(counts, kWorkBuckets - 1) == 0, "the heaviest bucket starts the order");
+  expect(work_bucket_base(counts, 9) == 2 && work_bucket_base(counts, 3) == 13 && work_bucket_base(counts, 0) == 20,
+         "bases: heavier buckets first", work_bucket_base(counts, 9), work_bucket_base(counts, 3),
+         work_bucket_base(counts, 0));
+  for (int64_t tiles : {int64_t(1), int64_t(255), int64_t(8192), int64_t(131072)}) {
+    const uint64_t keys = work_order_keys_offset(), perm = work_order_permutation_offset(tiles);
+    const uint64_t bytes = work_order_workspace_bytes(tiles);
+    expect(keys >= 2u * kWorkBuckets * 4u && keys % kWorkspaceAlignment == 0, "counters before the keys", long(tiles));
+    expect(perm >= keys + uint64_t(tiles) && perm % kWorkspaceAlignment == 0, "keys before the permutation",
+           long(tiles));
+    expect(bytes >= perm + 4u * uint64_t(tiles), "the permutation inside the workspace", long(tiles), long(bytes));
+  }
+  expect(work_order_workspace_bytes(0) == 0, "no tiles, no workspace");
+  std::printf("work order rules: checked\n");
+}
+
 using Check = void (*)();
 struct NamedCheck {
   const char* name;
@@ -557,7 +597,8 @@ int main() {
                         {"block schedule, 128-token tiles", check_schedule<WholeBlockTiles>},
                         {"block schedule, 64-token tiles", check_schedule<HalfBlockTiles>},
                         {"persistent tile order", check_persistent_order},
-                        {"split-KV count and workspace", check_split_kv_rules}});
+                        {"split-KV count and workspace", check_split_kv_rules},
+                        {"work order buckets and workspace", check_work_order_rules}});
   std::printf("layout check: %s (%d failed check(s))\n", failed ? "FAIL" : "PASS", failed);
   return failed ? 1 : 0;
 }

@@ -4,7 +4,7 @@
 //
 //   fpv2_hopper_prefill_test [--mode correctness|small|timing|refusals] [--lengths 32768,131072] [--repeats 10]
 //                          [--keep 0.03] [--batch 1] [--page-size 128] [--head-dim 128] [--query-len Q]
-//                          [--seed N]
+//                          [--requests Q@P,...] [--seed N]
 //
 //   correctness  the refusal checks, then a grid of cases for every built head dim (kPrefillHeadDims:
 //                B in {1, 3}, GQA 1/3/4/8, page sizes 1/16/24/64/128/256, lengths up to 4K with and without a
@@ -19,9 +19,12 @@
 //                --keep (a random CSR of about that density) without and with the correction; plus a
 //                reference check on 16 sampled query tokens each. --query-len Q: the last Q of the L tokens
 //                are queries after a cached prefix of L - Q (a chunked-prefill chunk; few tiles, so the
-//                launcher may split the KV blocks: RESULT's workspace_bytes > 0).
+//                launcher may split the KV blocks: RESULT's workspace_bytes > 0). --requests Q@P,...: one
+//                batch of those requests instead (Q queries after P cached tokens each: a continuous-batching
+//                mix, where the launcher may order the tiles by work: workspace_bytes > 0 without a split).
 // FPV2_HOPPER_SPLITS=N (any mode) forces N KV splits where the kernel can split (split_kv.hpp); every run
-// gets the workspace the launcher asks for.
+// gets the workspace the launcher asks for; FPV2_HOPPER_WORK_ORDER=0/1 turns the kept-block work order
+// (work_order.hpp) off or forces it (unset: the launcher's choice).
 //   refusals     only the configurations the kernel must refuse (no GPU needed), among them every head dim
 //                the ABI accepts (64, 128, 256) without a compiled instantiation.
 // --seed N offsets every case's fill seed (fresh inputs per run; the seed is printed for reproduction).
@@ -34,6 +37,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -65,6 +69,10 @@ constexpr float kE4M3MaxLseErr = 4e-2f;  // scores of pooled keys from e4m3 Q an
 
 uint64_t g_seed_offset = 0;  // --seed
 int g_query_len = 0;         // --query-len (timing): queries per request after a prefix of L - Q (0: Q = L)
+// --requests Q@P,Q@P,... (timing): one batch of requests of Q queries after a cached prefix of P tokens each,
+// instead of --lengths / --batch / --query-len (a continuous-batching mix).
+std::vector<std::pair<int, int>> g_requests;
+std::string g_requests_text;
 uint64_t g_last_workspace_bytes = 0;  // of the last run_kernel: split-KV's workspace (0: one CTA per tile)
 
 struct Outcome {
@@ -534,20 +542,45 @@ int32_t time_kernel(const nt::PagedCase& c, const nt::SparseCase* sparse, int re
 int run_timing(const std::vector<int>& lengths, int batch, int repeats, double keep, int page_size, int head_dim,
                cudaStream_t stream) {
   int failures = 0;
-  for (int L : lengths) {
-    // `batch` requests of L KV tokens each: Q = L queries (no prefix), or with --query-len the last Q of
-    // them after a cached prefix of L - Q (a chunk of chunked prefill).
-    const int Q = g_query_len > 0 && g_query_len < L ? g_query_len : L;
-    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, std::vector<int>(size_t(batch), Q),
-                          std::vector<int>(size_t(batch), L - Q), 1000 + uint64_t(L), head_dim);
+  // One timed batch per length, or the --requests batch alone.
+  std::vector<std::pair<std::vector<int>, std::vector<int>>> batches;
+  if (!g_requests.empty()) {
+    std::vector<int> q_lens, prefixes;
+    for (const auto& [q, p] : g_requests) {
+      q_lens.push_back(q);
+      prefixes.push_back(p);
+    }
+    batches.emplace_back(q_lens, prefixes);
+  } else {
+    for (int L : lengths) {
+      // `batch` requests of L KV tokens each: Q = L queries (no prefix), or with --query-len the last Q of
+      // them after a cached prefix of L - Q (a chunk of chunked prefill).
+      const int Q = g_query_len > 0 && g_query_len < L ? g_query_len : L;
+      batches.emplace_back(std::vector<int>(size_t(batch), Q), std::vector<int>(size_t(batch), L - Q));
+    }
+  }
+  for (const auto& [q_lens, prefixes] : batches) {
+    int L = 0, Q = 0;
+    int64_t total_q = 0;
+    // Causal FLOPs: query i of a request of Q queries after a prefix P sees P + i + 1 keys (P = 0: the Q^2 / 2
+    // convention).
+    double visible = 0.0;
+    for (size_t r = 0; r < q_lens.size(); ++r) {
+      const int q = q_lens[r], p = prefixes[r];
+      L = std::max(L, q + p);
+      Q = std::max(Q, q);
+      total_q += q;
+      visible += p == 0 ? double(q) * double(q) / 2.0 : double(q) * (double(p) + double(q + 1) / 2.0);
+    }
+    batch = int(q_lens.size());
+    nt::CaseSpec s = spec("timing_L" + std::to_string(L), 8, 4, page_size, q_lens, prefixes, 1000 + uint64_t(L),
+                          head_dim);
     s.q_range = 1.0f;
     nt::PagedCase c(s);
-    // Causal FLOPs: query i of Q sees L - Q + i + 1 keys (Q = L: the L^2 / 2 convention).
-    const double visible = Q == L ? double(L) * double(L) / 2.0 : double(Q) * (double(L - Q) + double(Q + 1) / 2.0);
-    const double flops = 4.0 * batch * c.num_q_heads() * visible * head_dim;
+    const double flops = 4.0 * c.num_q_heads() * visible * head_dim;
     // Spot check: the reference on 16 query tokens spread over the batch (the last one included).
     std::vector<int32_t> sample;
-    for (int i = 0; i < 16; ++i) sample.push_back(int32_t((int64_t(Q) * batch - 1) * i / 15));
+    for (int i = 0; i < 16; ++i) sample.push_back(int32_t((total_q - 1) * i / 15));
     double dense_ms = 0.0, sparse_ms = 0.0;
     const int variants = keep < 0 ? 1 : (page_size % 128 == 0 ? 4 : 3);
     for (int variant = 0; variant < variants; ++variant) {
@@ -591,9 +624,12 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const char* persistent = std::getenv("FPV2_HOPPER_PERSISTENT");
       const int persistent_on = persistent != nullptr && std::strcmp(persistent, "1") == 0;
       const char* overlap = std::getenv("FPV2_HOPPER_OVERLAP");
-      // The launcher's rule: on unless set to 0, or unset while pingpong or persistent CTAs are asked for.
-      const int overlap_on = overlap != nullptr && *overlap != '\0' ? std::strcmp(overlap, "1") == 0
-                                                                     : !(pingpong_on || persistent_on);
+      // The launcher's rule: on unless set to 0, or unset while pingpong is asked for (persistent CTAs have
+      // overlapped consumers of their own).
+      const int overlap_on = overlap != nullptr && *overlap != '\0' ? std::strcmp(overlap, "1") == 0 : !pingpong_on;
+      // "auto" (the launcher's choice: workspace_bytes > 0 without a split means it ordered the tiles), "0", "1".
+      const char* work_order = std::getenv("FPV2_HOPPER_WORK_ORDER");
+      const std::string work_order_text = work_order != nullptr && *work_order != '\0' ? work_order : "auto";
       const char* request_major = std::getenv("FPV2_HOPPER_REQUEST_MAJOR");
       const int request_major_on = !(request_major != nullptr && std::strcmp(request_major, "0") == 0);
       const char* head_major = std::getenv("FPV2_HOPPER_HEAD_MAJOR");
@@ -601,13 +637,14 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const char* half_exp = std::getenv("FPV2_HOPPER_POOLED_HALF_EXP");
       const int half_exp_on = half_exp != nullptr && std::strcmp(half_exp, "1") == 0;
       const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-") + (gather && *gather ? gather : "row");
-      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"head_major\": %d, \"pooled_half_exp\": %d, \"B\": %d, \"L\": %d, \"q_len\": %d, \"workspace_bytes\": %llu, \"Hq\": 32, \"Hkv\": 8, "
+      std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"head_major\": %d, \"pooled_half_exp\": %d, \"work_order\": \"%s\", \"requests\": \"%s\", \"B\": %d, \"L\": %d, \"q_len\": %d, \"workspace_bytes\": %llu, \"Hq\": 32, \"Hkv\": 8, "
                   "\"d\": %d, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "
                   "\"correction_overhead\": %.4f, \"repeats\": %d, \"sample_max_abs_err\": %.4e, "
                   "\"sample_rel_rms\": %.4e}\n",
                   impl, kv_path.c_str(), pingpong_on, persistent_on, overlap_on, request_major_on, head_major_on,
-                  half_exp_on, batch, L, Q, static_cast<unsigned long long>(g_last_workspace_bytes), head_dim,
+                  half_exp_on, work_order_text.c_str(), g_requests_text.c_str(), batch, L, Q,
+                  static_cast<unsigned long long>(g_last_workspace_bytes), head_dim,
                   page_size, density, median, times.front(), flops / (median * 1e9), vs_density, overhead, repeats,
                   st.max_abs_err, rel_rms);
       failures += sample_ok ? 0 : 1;
@@ -629,6 +666,26 @@ std::vector<int> parse_list(const char* s) {
     }
   }
   return out;
+}
+
+// "Q@P,Q@P,...": requests of Q >= 1 queries after P >= 0 cached tokens.
+bool parse_requests(const std::string& text, std::vector<std::pair<int, int>>* out) {
+  out->clear();
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t end = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, end - start);
+    const size_t at = item.find('@');
+    if (at == std::string::npos) return false;
+    char* q_end = nullptr;
+    char* p_end = nullptr;
+    const long q = std::strtol(item.c_str(), &q_end, 10);
+    const long p = std::strtol(item.c_str() + at + 1, &p_end, 10);
+    if (q_end != item.c_str() + at || *p_end != '\0' || q < 1 || p < 0) return false;
+    out->emplace_back(int(q), int(p));
+    start = end + 1;
+  }
+  return !out->empty();
 }
 
 }  // namespace
@@ -659,12 +716,19 @@ int main(int argc, char** argv) {
       keep = std::atof(argv[++i]);
     } else if (arg == "--query-len" && i + 1 < argc) {
       g_query_len = std::max(0, std::atoi(argv[++i]));
+    } else if (arg == "--requests" && i + 1 < argc) {
+      g_requests_text = argv[++i];
+      if (!parse_requests(g_requests_text, &g_requests)) {
+        std::fprintf(stderr, "--requests %s: expected Q@P[,Q@P...] with Q >= 1 queries after P >= 0 cached tokens\n",
+                     g_requests_text.c_str());
+        return 2;
+      }
     } else if (arg == "--seed" && i + 1 < argc) {
       g_seed_offset = std::strtoull(argv[++i], nullptr, 10);
     } else {
       std::fprintf(stderr,
                    "usage: %s [--mode correctness|small|timing|refusals] [--lengths L1,L2] [--repeats N] [--keep P] "
-                   "[--page-size P] [--head-dim D] [--batch B] [--query-len Q] [--seed N]\n",
+                   "[--page-size P] [--head-dim D] [--batch B] [--query-len Q] [--requests Q@P,...] [--seed N]\n",
                    argv[0]);
       return 2;
     }

@@ -165,9 +165,10 @@ def hopper_prefill(
         q_descale, k_descale, v_descale: ``(B, Hkv) float32``, required for FP8 inputs.
         softmax_scale: score scale; 0 selects ``1/sqrt(d)``.
         stream: CUDA stream; None uses q's current stream.
-        workspace: optional device scratch memory (256-byte aligned) for split-KV; None asks the
-            library how much the call can use (``fpv2_prefill_workspace_size``; 0 unless it has too
-            few query tiles to fill the GPU) and allocates it on ``stream``.
+        workspace: optional device scratch memory (256-byte aligned) for split-KV and the work
+            order; None asks the library how much the call can use (``fpv2_prefill_workspace_size``;
+            0 unless it has too few query tiles to fill the GPU, or more tiles than SMs over requests
+            of uneven work) and allocates it on ``stream``.
         pooled_e4m3: use the E4M3 pooled copies when a plan is given and the page size is a
             multiple of 128; None reads ``$FPV2_HOPPER_POOLED_E4M3`` ("1" on, anything else
             or unset off: off by default, measured no faster than the bf16 pooled products).
@@ -202,10 +203,11 @@ def hopper_prefill(
         pooled_dtype=None if copies is not None else torch.bfloat16,
         pooled_e4m3=copies,
     )
-    if workspace is None and _may_split(q, k_cache, args):
+    if workspace is None and _may_use_workspace(q, k_cache, args):
         # Split-KV (calls with too few query tiles to fill the GPU) needs scratch memory for its partial
-        # rows: ask the library how much, allocated on the launch stream so that the caching allocator does
-        # not hand it out again before the kernel is done with it.
+        # rows, the work order (batches of uneven requests) for its tile permutation: ask the library how
+        # much, allocated on the launch stream so that the caching allocator does not hand it out again
+        # before the kernel is done with it.
         needed = ctypes.c_uint64(0)
         check_status(lib.fpv2_prefill_workspace_size(ctypes.byref(args), ctypes.byref(needed)))
         if needed.value:
@@ -245,9 +247,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _may_split(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> bool:
-    """Whether the library may split the call's KV blocks (csrc/hopper/split_kv.hpp): automatically only with
-    fewer CTAs than SMs, or when ``FPV2_HOPPER_SPLITS`` forces splits.
+def _may_use_workspace(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> bool:
+    """Whether the library may want a workspace for the call: to split its KV blocks
+    (csrc/hopper/split_kv.hpp: automatically only with fewer CTAs than SMs, or when
+    ``FPV2_HOPPER_SPLITS`` forces splits), or to order its tiles by work (csrc/hopper/work_order.hpp:
+    automatically for more CTAs than SMs in a batch of uneven requests, or when
+    ``FPV2_HOPPER_WORK_ORDER=1`` forces it).
 
     Saves the workspace query's host time on every other call; the library decides the rest.
     """
@@ -255,10 +260,19 @@ def _may_split(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> bool:
         return False
     if os.environ.get("FPV2_HOPPER_SPLITS", "") not in ("", "1"):
         return True  # forced: the library needs the workspace (or says why the setting is wrong)
+    work_order = os.environ.get("FPV2_HOPPER_WORK_ORDER", "")
+    if work_order == "1":
+        return True
     batch = args.batch.contents  # type: ignore[attr-defined]
     group = q.shape[1] // k_cache.shape[2]
-    tiles = -(-int(batch.max_seqlen_q) * group // 128)
-    return tiles * k_cache.shape[2] * int(batch.num_requests) < _sm_count(q.device)
+    requests = int(batch.num_requests)
+    ctas = -(-int(batch.max_seqlen_q) * group // 128) * k_cache.shape[2] * requests
+    sms = _sm_count(q.device)
+    if ctas < sms:
+        return True
+    max_q = int(batch.max_seqlen_q)
+    uneven = requests > 1 and (int(batch.total_q) != requests * max_q or int(batch.max_seqlen_k) > max_q)
+    return work_order == "" and uneven and ctas > sms
 
 
 def _stream_context(stream: object, like: torch.Tensor) -> contextlib.AbstractContextManager[object]:
