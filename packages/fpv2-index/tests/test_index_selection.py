@@ -147,6 +147,28 @@ def test_page_layout_does_not_change_the_index():
     assert indexes[0].density(case.batch) < 1.0
 
 
+def test_dense_strategy_skips_the_host_copy_of_its_ids(monkeypatch):
+    """The dense index is correct by construction: it is built without BlockIndex.validate_values (which copies
+    every id to the host; 16.8M ids at 128K) and still passes that check, and the kept sets are the visible blocks."""
+    from fpv2.kernel.contracts import BlockIndex
+
+    cfg = SelectionConfig(block_size=64, sink_tokens=64, window_tokens=64, min_sparse_kv_len=0)
+    case = make_case(
+        [300, 0, 70, 129], [300, 40, 700, 129], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+        block_size=64, seed=3,
+    )  # fmt: skip
+    checked = BlockIndex.validate_values
+
+    def refuse(index):
+        raise AssertionError("the dense strategy copied its ids to the host")
+
+    monkeypatch.setattr(BlockIndex, "validate_values", refuse)
+    dense = build_block_index(case.q, case.k_cache, case.batch, config=cfg, strategy="dense")
+    checked(dense)
+    tiles = tiles_of(case.batch, case.group, case.num_kv_heads, cfg.tile_size)
+    assert [set(ids) for ids in kept_lists(dense)] == [visible_blocks(t, cfg.block_size) for t in tiles]
+
+
 def test_probe_stride_scores_with_a_subset_of_rows():
     # Stride larger than the tile: only each tile's first row scores. Compare with the oracle, which probes alike.
     case = make_case([256], [900], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16, block_size=32)

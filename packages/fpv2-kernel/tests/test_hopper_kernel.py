@@ -203,7 +203,7 @@ def test_forced_splits_without_workspace_are_refused(paged_case, monkeypatch):
 
 
 #: Uneven requests (query lengths and cached prefixes differ) with more CTAs than an H200 has SMs
-#: (47 query tiles x 2 KV heads x 4 requests = 376): the launcher orders their tiles by work.
+#: (47 query tiles x 2 KV heads x 4 requests = 376): FPV2_HOPPER_WORK_ORDER=auto orders their tiles by work.
 ORDER_SEQLENS_Q = [700, 3, 1500, 260]
 ORDER_SEQLENS_K = [700, 903, 1628, 260]
 
@@ -229,11 +229,10 @@ def _workspace_bytes(case, index=None, plan=None) -> int:
 def test_work_order_matches_the_reference(paged_case, hand_index, monkeypatch, head_dim, page_size, mode, schedule):
     # The kept-block work order (csrc/hopper/work_order.hpp) permutes which tile each CTA computes: a tile
     # left out keeps its NaN poison, one computed twice means another is left out. "auto" is the launcher's
-    # choice for this uneven batch (asserted through the workspace it asks for), "forced" sets
+    # rule for this uneven batch (asserted through the workspace it asks for), "forced" sets
     # FPV2_HOPPER_WORK_ORDER=1, "persistent" walks the sorted tiles with persistent CTAs (TMA pages only).
     _require_kernel()
-    if schedule != "auto":
-        monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "1")
+    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "auto" if schedule == "auto" else "1")
     if schedule == "persistent":
         monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "1")
     case = paged_case(
@@ -268,7 +267,7 @@ def test_work_order_matches_the_reference(paged_case, hand_index, monkeypatch, h
 
 
 @pytest.mark.hopper
-def test_work_order_is_chosen_for_uneven_batches_only(paged_case, monkeypatch):
+def test_work_order_is_opt_in_and_auto_orders_uneven_batches_only(paged_case, monkeypatch):
     _require_kernel()
     d = BUILT_HEAD_DIMS[0]
 
@@ -277,6 +276,9 @@ def test_work_order_is_chosen_for_uneven_batches_only(paged_case, monkeypatch):
                           dtype=torch.bfloat16, device="cuda", seed=5)  # fmt: skip
 
     uneven = case_of(ORDER_SEQLENS_Q, ORDER_SEQLENS_K)
+    monkeypatch.delenv("FPV2_HOPPER_WORK_ORDER", raising=False)
+    assert _workspace_bytes(uneven) == 0, "the work order is opt-in until it is measured on the device"
+    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "auto")
     assert _workspace_bytes(uneven) > 0
     # Equal fresh requests, and one request: the decoded order already starts the longest tiles first.
     assert _workspace_bytes(case_of([1500] * 4, [1500] * 4)) == 0
@@ -290,8 +292,8 @@ def test_work_order_is_chosen_for_uneven_batches_only(paged_case, monkeypatch):
         native.hopper_prefill(
             uneven.q, uneven.k_cache, uneven.v_cache, _poisoned(uneven), uneven.batch, workspace=too_small
         )
-    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "2")
-    with pytest.raises(ValueError, match="FPV2_HOPPER_WORK_ORDER=2"):
+    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "yes")
+    with pytest.raises(ValueError, match="FPV2_HOPPER_WORK_ORDER=yes: expected 0, 1 or auto"):
         native.hopper_prefill(uneven.q, uneven.k_cache, uneven.v_cache, _poisoned(uneven), uneven.batch)
 
 

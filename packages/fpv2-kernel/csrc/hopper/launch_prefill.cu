@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 
 #include "abi/errors.hpp"
@@ -293,19 +294,23 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
 }
 
 // Sets plan.work_order (work_order.hpp) for a call that does not split, after choose_kv_splits.
-// FPV2_HOPPER_WORK_ORDER: unset or "" chooses it (automatic), "0" turns it off, "1" forces it. Automatic:
-// on for more tiles than SMs in a batch whose requests may differ in work (several requests whose query
-// lengths differ or that have cached prefixes: the grid's decoded order then puts a heavy request's tiles
-// wherever the request sits in the batch); off at B = 1 and for equal fresh requests, where the decoded order
-// already starts each request's longest tiles first. Automatic needs the workspace (else off: the same
-// result in the decoded order); forced is refused without it. `sizing`: as if the workspace were unbounded.
+// FPV2_HOPPER_WORK_ORDER: unset, "" or "0" off (the default until the order is measured on the device),
+// "1" forces it, "auto" applies the automatic rule: on for more tiles than SMs in a batch whose requests
+// may differ in work (several requests whose query lengths differ or that have cached prefixes: the
+// decoded order then puts a heavy request's tiles wherever the request sits in the batch); off at B = 1 and
+// for equal fresh requests, where the decoded order already starts each request's longest tiles first.
+// "auto" needs the workspace (else off: the same result in the decoded order); "1" is refused without it.
+// `sizing`: as if the workspace were unbounded.
 int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
   plan.work_order = 0;
   const char* value = std::getenv("FPV2_HOPPER_WORK_ORDER");
-  const bool set = value != nullptr && *value != '\0';
-  int32_t forced = 0;
-  if (set) FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_WORK_ORDER", 0, &forced));
-  if (plan.num_splits > 1 || (set && !forced)) return FPV2_OK;
+  const std::string setting = value != nullptr ? value : "";
+  if (setting != "" && setting != "0" && setting != "1" && setting != "auto") {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("environment FPV2_HOPPER_WORK_ORDER=%s: expected 0, 1 or auto (unset: 0)", value));
+  }
+  const bool forced = setting == "1";
+  if (plan.num_splits > 1 || (!forced && setting != "auto")) return FPV2_OK;
   const int64_t num_tiles =
       (int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) / FPV2_KERNEL_TILE_SIZE *
       plan.num_kv_heads * plan.num_requests;

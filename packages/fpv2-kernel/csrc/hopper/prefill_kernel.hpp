@@ -28,8 +28,8 @@
 // tile each walk one contiguous part of its schedule and store normalised fp32 rows and their lse; the
 // launcher then merges them (split_combine.hpp). Its own instantiation of the overlapped consumers.
 //
-// Kept-block work order (work_order.hpp, automatic for uneven batches): tile slot i computes the i-th tile
-// by decreasing kept-block work, so the heaviest tiles start first (tile_order.hpp).
+// Kept-block work order (work_order.hpp, opt-in: FPV2_HOPPER_WORK_ORDER): tile slot i computes the i-th
+// tile by decreasing kept-block work, so the heaviest tiles start first (tile_order.hpp).
 //
 // Not yet here: FP8 attention (the correction's pooled products already run in FP8 with the E4M3 copies of the
 // pooled statistics: kPooledE4M3, overlapped consumers only). Head dims 64, 128 and 256 are instantiated

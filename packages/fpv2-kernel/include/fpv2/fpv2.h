@@ -228,11 +228,10 @@ FPV2_API int32_t fpv2_hopper_kernel_available(void);
  * Split-KV (ABI 1.3): when the call has too few query tiles to fill the GPU (a short chunk after a
  * long cached prefix, small batches), the kernel splits each tile's KV blocks over several CTAs and
  * merges their partial rows; it does so only when args->workspace holds at least the bytes that
- * fpv2_prefill_workspace_size reports (else it runs one CTA per tile: the same result). Calls with
- * more query tiles than SMs over requests of uneven work (varlen, cached prefixes) use the workspace
- * for the work order instead: the tiles sorted by kept-block work, heaviest first (else the decoded
- * order: the same result). The workspace must be 256-byte aligned and may be reused once the call's
- * stream is past it. */
+ * fpv2_prefill_workspace_size reports (else it runs one CTA per tile: the same result). With the
+ * opt-in work order (environment FPV2_HOPPER_WORK_ORDER) calls that do not split use it for the tiles
+ * sorted by kept-block work, heaviest first. The workspace must be 256-byte aligned and may be reused
+ * once the call's stream is past it. */
 FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args);
 
 /* ABI 1.3: the workspace bytes fpv2_prefill would use for args (0 when it would neither split nor

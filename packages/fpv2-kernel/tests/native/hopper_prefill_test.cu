@@ -21,10 +21,11 @@
 //                are queries after a cached prefix of L - Q (a chunked-prefill chunk; few tiles, so the
 //                launcher may split the KV blocks: RESULT's workspace_bytes > 0). --requests Q@P,...: one
 //                batch of those requests instead (Q queries after P cached tokens each: a continuous-batching
-//                mix, where the launcher may order the tiles by work: workspace_bytes > 0 without a split).
+//                mix, where FPV2_HOPPER_WORK_ORDER=auto orders the tiles by work: workspace_bytes > 0 without a
+//                split).
 // FPV2_HOPPER_SPLITS=N (any mode) forces N KV splits where the kernel can split (split_kv.hpp); every run
-// gets the workspace the launcher asks for; FPV2_HOPPER_WORK_ORDER=0/1 turns the kept-block work order
-// (work_order.hpp) off or forces it (unset: the launcher's choice).
+// gets the workspace the launcher asks for; FPV2_HOPPER_WORK_ORDER=1 / auto forces the kept-block work order
+// (work_order.hpp) or applies its automatic rule (unset or 0: off).
 //   refusals     only the configurations the kernel must refuse (no GPU needed), among them every head dim
 //                the ABI accepts (64, 128, 256) without a compiled instantiation.
 // --seed N offsets every case's fill seed (fresh inputs per run; the seed is printed for reproduction).
@@ -627,9 +628,9 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       // The launcher's rule: on unless set to 0, or unset while pingpong is asked for (persistent CTAs have
       // overlapped consumers of their own).
       const int overlap_on = overlap != nullptr && *overlap != '\0' ? std::strcmp(overlap, "1") == 0 : !pingpong_on;
-      // "auto" (the launcher's choice: workspace_bytes > 0 without a split means it ordered the tiles), "0", "1".
+      // The setting: "0" (unset), "1", or "auto" (then workspace_bytes > 0 without a split: it ordered the tiles).
       const char* work_order = std::getenv("FPV2_HOPPER_WORK_ORDER");
-      const std::string work_order_text = work_order != nullptr && *work_order != '\0' ? work_order : "auto";
+      const std::string work_order_text = work_order != nullptr && *work_order != '\0' ? work_order : "0";
       const char* request_major = std::getenv("FPV2_HOPPER_REQUEST_MAJOR");
       const int request_major_on = !(request_major != nullptr && std::strcmp(request_major, "0") == 0);
       const char* head_major = std::getenv("FPV2_HOPPER_HEAD_MAJOR");

@@ -167,8 +167,8 @@ def hopper_prefill(
         stream: CUDA stream; None uses q's current stream.
         workspace: optional device scratch memory (256-byte aligned) for split-KV and the work
             order; None asks the library how much the call can use (``fpv2_prefill_workspace_size``;
-            0 unless it has too few query tiles to fill the GPU, or more tiles than SMs over requests
-            of uneven work) and allocates it on ``stream``.
+            0 unless it has too few query tiles to fill the GPU, or the opt-in work order
+            ``FPV2_HOPPER_WORK_ORDER`` applies) and allocates it on ``stream``.
         pooled_e4m3: use the E4M3 pooled copies when a plan is given and the page size is a
             multiple of 128; None reads ``$FPV2_HOPPER_POOLED_E4M3`` ("1" on, anything else
             or unset off: off by default, measured no faster than the bf16 pooled products).
@@ -250,9 +250,9 @@ def _sm_count(device: torch.device) -> int:
 def _may_use_workspace(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> bool:
     """Whether the library may want a workspace for the call: to split its KV blocks
     (csrc/hopper/split_kv.hpp: automatically only with fewer CTAs than SMs, or when
-    ``FPV2_HOPPER_SPLITS`` forces splits), or to order its tiles by work (csrc/hopper/work_order.hpp:
-    automatically for more CTAs than SMs in a batch of uneven requests, or when
-    ``FPV2_HOPPER_WORK_ORDER=1`` forces it).
+    ``FPV2_HOPPER_SPLITS`` forces splits), or to order its tiles by work (csrc/hopper/work_order.hpp,
+    opt-in: ``FPV2_HOPPER_WORK_ORDER=1`` forces it, ``auto`` for more CTAs than SMs in a batch of
+    uneven requests).
 
     Saves the workspace query's host time on every other call; the library decides the rest.
     """
@@ -272,7 +272,7 @@ def _may_use_workspace(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> 
         return True
     max_q = int(batch.max_seqlen_q)
     uneven = requests > 1 and (int(batch.total_q) != requests * max_q or int(batch.max_seqlen_k) > max_q)
-    return work_order == "" and uneven and ctas > sms
+    return work_order == "auto" and uneven and ctas > sms
 
 
 def _stream_context(stream: object, like: torch.Tensor) -> contextlib.AbstractContextManager[object]:
