@@ -5,16 +5,26 @@
 #   benchmarks/work_order_device_run.sh checks    fpv2_hopper_prefill_test --mode small with the order forced
 #                                                 (one CTA per tile, then persistent CTAs), the grid with the
 #                                                 order forced, the binding's GPU tests of it (pytest)
+#   benchmarks/work_order_device_run.sh persistent  the grid and --mode small under FPV2_HOPPER_PERSISTENT=1 (the
+#                                                 persistent consumers decode each tile from a broadcast index
+#                                                 since 2026-12-02), then B=1 timings at 32K and 128K, one CTA
+#                                                 per tile vs persistent, at keep 0 and twice at 0.03, and
+#                                                 the planted pipeline (fpv2 bench) at 32K and 128K both ways
 #   benchmarks/work_order_device_run.sh timings   native timings (median of 10, keep 0.03, page 128) of three
 #                                                 uneven batches with the order off / auto (alternating, twice),
-#                                                 B=1 at 32K and 128K off / forced, and persistent CTAs off /
-#                                                 forced
+#                                                 B=1 at 32K and 128K off / forced, and persistent CTAs with the
+#                                                 order off / forced
 #
 # Prediction (written before the first device run): a 4K chunk after a 124K prefix placed last behind seven
 # fresh 4K requests leaves a last partial wave of heavy tiles in the decoded order: dense -2 to -3%, sparse and
 # corrected -1 to -3% with the order; the same chunk placed first: unchanged within the order's own cost (two
 # small kernels and one dependent load per CTA, ~10 us); fresh requests of mixed lengths <= 2%; B=1 forced: up
 # to +3-6% on the random CSR (the order interleaves KV heads, so fewer kept blocks are shared in L2).
+#
+# Persistent CTAs (prediction, same day): their kept-block loop is back to the one-CTA-per-tile instruction count
+# (SASS census: 715 against 712 at d = 128, was 747), so the dense-mode loss (+7.5% at 128K) should mostly go,
+# tiles of one kept block keep their -20%, keep 0.03 should move from +5-10% to -3 to -8%, and the planted 128K
+# pipeline from 14.8 ms to about 13.1-13.4 (one CTA per tile: 13.5-13.7).
 #
 # Environment: WO_BIN folder with libfpv2_kernel.so and fpv2_hopper_prefill_test [build/kernel]; OUT; logs go
 # to a temporary folder packed into $OUT/work-order-<part>.tgz (the device returns few files), summaries to
@@ -46,6 +56,31 @@ if [ "$PART" = checks ]; then
     -k "work_order or split_kv or forced_splits" > "$LOGS/pytest-order.log" 2>&1
   echo "pytest: rc=$?"
   tail -2 "$LOGS/pytest-order.log"
+elif [ "$PART" = persistent ]; then
+  FPV2_HOPPER_PERSISTENT=1 timeout 60 "$TEST" --mode small > "$LOGS/small-persistent.log" 2>&1
+  echo "small, persistent: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small-persistent.log")"
+  FPV2_HOPPER_PERSISTENT=1 timeout 240 "$TEST" --mode correctness > "$LOGS/grid-persistent.log" 2>&1
+  echo "grid, persistent: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid-persistent.log") fail $(grep -c '^\[FAIL' "$LOGS/grid-persistent.log") (the FP8 pooled variant is refused there: SKIP)"
+  n=0
+  for keep in 0.0 0.03 0.03; do
+    for persistent in 0 1; do
+      n=$((n + 1))
+      log="$LOGS/timing-persistent$persistent-keep$keep-$n.log"
+      FPV2_HOPPER_PERSISTENT=$persistent timeout 100 "$TEST" --mode timing --lengths 32768,131072 --repeats 10 \
+        --keep "$keep" > "$log" 2>&1
+      echo "B=1, keep $keep, persistent $persistent: rc=$?"
+      summary "$log"
+    done
+  done
+  for L in 131072 32768; do
+    for persistent in 1 0; do
+      PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
+        FPV2_HOPPER_PERSISTENT=$persistent timeout 90 python3 -m fpv2.serving bench -B 1 -L "$L" --page-size 128 \
+        --alpha 0.1 --no-progress --out "$LOGS/bench-$L-persistent$persistent" > "$LOGS/bench-$L-persistent$persistent.log" 2>&1
+      echo "bench L=$L persistent $persistent: rc=$?"
+      grep -E "fpv2-(sparse|dense)" "$LOGS/bench-$L-persistent$persistent.log" | cut -c1-160
+    done
+  done
 elif [ "$PART" = timings ]; then
   declare -A MIXES=(
     [heavy-last]="4096@0,4096@0,4096@0,4096@0,4096@0,4096@0,4096@0,4096@126976"
@@ -74,7 +109,7 @@ elif [ "$PART" = timings ]; then
     done
   done
 else
-  echo "usage: $0 checks|timings" >&2
+  echo "usage: $0 checks|persistent|timings" >&2
   exit 2
 fi
 tar czf "$OUT/work-order-$PART.tgz" -C "$LOGS" .

@@ -147,8 +147,8 @@ def _persistent_overlap_entry(head_dim: int, stages: int, stack: int, spill: int
 
 def test_persistent_overlapped_consumers_have_their_own_budget(tmp_path: Path) -> None:
     # Named apart from the persistent and the overlapped instantiations; the measured 0 / 0 passes, the
-    # 72 B stack of the first build (the next tile passed by pointer) fails (d=128 budget: 40 / 104 since the
-    # 16-byte epilogue stores; d=64 keeps 16 / 16).
+    # 72 B stack of the first build (the next tile passed by pointer) fails, and so do the 40 / 104 B of the
+    # builds before the uniform tile decode (2026-12-02): 16 / 16 at every head dim but 256.
     base = _report((8, 4, 4), (8, 12, 12))
     result = _run(tmp_path, base + _persistent_overlap_entry(128, 2, 0, 0) + _persistent_overlap_entry(64, 4, 0, 0))
     assert result.returncode == 0, result.stdout
@@ -156,6 +156,8 @@ def test_persistent_overlapped_consumers_have_their_own_budget(tmp_path: Path) -
     result = _run(tmp_path, base + _persistent_overlap_entry(128, 2, 72, 40))
     assert result.returncode == 1
     assert "FAIL: prefill_kernel d=128 (persistent, overlapped consumers): 72 bytes" in result.stdout
-    assert _run(tmp_path, base + _persistent_overlap_entry(128, 2, 40, 104)).returncode == 0
+    assert _run(tmp_path, base + _persistent_overlap_entry(128, 2, 16, 16)).returncode == 0
+    result = _run(tmp_path, base + _persistent_overlap_entry(128, 2, 40, 104))
+    assert result.returncode == 1 and "d=128 (persistent, overlapped consumers): 40 bytes" in result.stdout
     result = _run(tmp_path, base + _persistent_overlap_entry(64, 4, 40, 104))
     assert result.returncode == 1 and "d=64 (persistent, overlapped consumers): 40 bytes" in result.stdout

@@ -14,7 +14,8 @@
 // reads included) while the consumers finish the current one, and the consumers issue the next tile's Q
 // rows under the current tile's last PV product. With the overlapped consumers (the default) or without
 // (OVERLAP=0). Measured (2026-12-01, sixth session): -20% on tiles of one kept block, but slower on the
-// random-CSR and dense timings and on the planted pipeline, so it stays off (benchmarks/NOTES.md).
+// random-CSR and dense timings and on the planted pipeline, so it stays off (benchmarks/NOTES.md). Those builds'
+// loops had lost the uniform datapath (uniform_tile below); the timings since are the next device run's.
 //
 // Overlapped consumers (the default; FPV2_HOPPER_OVERLAP=0 turns them off; consumer_mainloop.hpp): a third
 // instantiation, one CTA per tile.
@@ -95,6 +96,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     }
     return -1;
   };
+  // The k-th tile decoded straight-line from lane 0's k (whole warps only; every lane finds the same k). A tile
+  // that comes out of next_valid's loop is not provably warp-uniform to ptxas, and everything derived from it
+  // (the schedule, the stage barriers' addresses, the wgmma descriptors) then moved to vector registers: the
+  // persistent consumers' kept-block step took 747 instructions (48 R2UR) against 712 (16) for one CTA per
+  // tile, the size of their dense-mode loss; decoded this way, 711 (tools/sass_loop_census.py, 2026-12-02).
+  auto uniform_tile = [&](int k) {
+    return tile_at(persistent_tile_index(__shfl_sync(0xffffffffu, k, 0), int(blockIdx.x), int(gridDim.x)));
+  };
   // One CTA per tile: the CTA's tile, or with split-KV (Traits::kSplitKv, split_kv.hpp) split
   // blockIdx.x % num_splits of tile blockIdx.x / num_splits (the splits of a tile run side by side and share
   // its Q rows in L2).
@@ -164,8 +173,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
     };
     if constexpr (kPersistent) {
-      Geometry tile;
-      for (int k = next_valid(0, tile); k >= 0; k = next_valid(k + 1, tile)) produce(tile);
+      Geometry found;
+      for (int k = next_valid(0, found); k >= 0; k = next_valid(k + 1, found)) produce(uniform_tile(k));
     } else {
       produce(cta_tile());
     }
@@ -175,16 +184,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const int consumer_thread = int(threadIdx.x) - Traits::kThreadsPerWarpGroup;
     if constexpr (kPersistent) {
       // Each call is told the next valid tile, so that it issues that tile's Q rows under its last PV product.
-      Geometry tile, next;
+      Geometry next;
       bool q_issued = false;
-      for (int k = next_valid(0, tile); k >= 0;) {
+      for (int k = next_valid(0, next); k >= 0;) {
+        const Geometry tile = uniform_tile(k);
         const int k_next = next_valid(k + 1, next);
         const bool has_next = k_next >= 0;
         ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state, q_issued,
                                                          has_next, next);
         q_issued = has_next;
         k = k_next;
-        tile = next;
       }
     } else {
       ConsumerMainloop<Traits>::template run<kOverlap, kPooledE4M3>(params, cta_tile(), smem,
