@@ -258,20 +258,54 @@ def _may_use_workspace(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> 
     """
     if not q.is_cuda or q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[2] == 0:
         return False
-    if os.environ.get("FPV2_HOPPER_SPLITS", "") not in ("", "1"):
+    batch = args.batch.contents  # type: ignore[attr-defined]
+    return workspace_may_be_used(
+        num_requests=int(batch.num_requests),
+        total_q=int(batch.total_q),
+        max_seqlen_q=int(batch.max_seqlen_q),
+        max_seqlen_k=int(batch.max_seqlen_k),
+        group=q.shape[1] // k_cache.shape[2],
+        num_kv_heads=k_cache.shape[2],
+        sms=_sm_count(q.device),
+        splits=os.environ.get("FPV2_HOPPER_SPLITS", ""),
+        work_order=os.environ.get("FPV2_HOPPER_WORK_ORDER", ""),
+    )
+
+
+def workspace_may_be_used(
+    *,
+    num_requests: int,
+    total_q: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    group: int,
+    num_kv_heads: int,
+    sms: int,
+    splits: str = "",
+    work_order: str = "",
+) -> bool:
+    """The binding's rule for asking the library for a workspace (host values only; the library decides).
+
+    Args:
+        num_requests, total_q, max_seqlen_q, max_seqlen_k: the batch's host-side sizes.
+        group: ``Hq / Hkv``.
+        num_kv_heads: ``Hkv``.
+        sms: the device's SM count.
+        splits: the ``FPV2_HOPPER_SPLITS`` setting ("" automatic).
+        work_order: the ``FPV2_HOPPER_WORK_ORDER`` setting ("" or "0" off, "1" forced, "auto").
+
+    Returns:
+        True when the call may split (fewer CTAs than SMs, or forced splits) or may order its tiles by
+        work (forced, or ``auto`` over uneven requests with more CTAs than SMs).
+    """
+    if splits not in ("", "1"):
         return True  # forced: the library needs the workspace (or says why the setting is wrong)
-    work_order = os.environ.get("FPV2_HOPPER_WORK_ORDER", "")
     if work_order == "1":
         return True
-    batch = args.batch.contents  # type: ignore[attr-defined]
-    group = q.shape[1] // k_cache.shape[2]
-    requests = int(batch.num_requests)
-    ctas = -(-int(batch.max_seqlen_q) * group // 128) * k_cache.shape[2] * requests
-    sms = _sm_count(q.device)
+    ctas = -(-max_seqlen_q * group // 128) * num_kv_heads * num_requests
     if ctas < sms:
         return True
-    max_q = int(batch.max_seqlen_q)
-    uneven = requests > 1 and (int(batch.total_q) != requests * max_q or int(batch.max_seqlen_k) > max_q)
+    uneven = num_requests > 1 and (total_q != num_requests * max_seqlen_q or max_seqlen_k > max_seqlen_q)
     return work_order == "auto" and uneven and ctas > sms
 
 
