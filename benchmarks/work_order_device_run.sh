@@ -26,9 +26,9 @@
 # tiles of one kept block keep their -20%, keep 0.03 should move from +5-10% to -3 to -8%, and the planted 128K
 # pipeline from 14.8 ms to about 13.1-13.4 (one CTA per tile: 13.5-13.7).
 #
-# Environment: WO_BIN folder with libfpv2_kernel.so and fpv2_hopper_prefill_test [build/kernel]; OUT; logs go
-# to a temporary folder packed into $OUT/work-order-<part>.tgz (the device returns few files), summaries to
-# stdout.
+# Environment: WO_BIN folder with libfpv2_kernel.so and fpv2_hopper_prefill_test [build/kernel]; FPV2_COMMIT
+# (recorded by fpv2 bench: the device copy has no git); OUT; logs go to a temporary folder packed into
+# $OUT/work-order-<part>.tgz (the device returns few files), summaries to stdout.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
