@@ -144,29 +144,18 @@ SPLIT_SEQLENS_Q = [64, 200]
 SPLIT_SEQLENS_K = [8192, 6000]
 
 
-@pytest.mark.hopper
-@pytest.mark.parametrize("splits", ["auto", "3", "16"])
-@pytest.mark.parametrize("mode", ["dense", "sparse", "corrected"])
-@pytest.mark.parametrize("page_size", [16, 128])
-@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
-def test_split_kv_matches_the_reference(paged_case, hand_index, monkeypatch, head_dim, page_size, mode, splits):
-    # The splits' partial rows and the combine against the fp64 reference: a lost or double-counted part of
-    # a tile's KV blocks, or a wrong merge weight, moves the output far beyond the bf16 rule. 16 splits leave
-    # some splits of the short request's tiles without any KV tile (their rows carry lse -inf).
-    _require_kernel()
-    if splits != "auto":
-        monkeypatch.setenv("FPV2_HOPPER_SPLITS", splits)
-    case = paged_case(
-        SPLIT_SEQLENS_Q, SPLIT_SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
-        dtype=torch.bfloat16, device="cuda", seed=31 + page_size + head_dim + len(mode),
-    )  # fmt: skip
+def _index_and_plan(case, hand_index, mode: str, keep):
+    """``mode`` "dense": no index; "sparse": a hand index keeping ``keep``'s blocks; "corrected": plus its plan."""
     index = plan = None
     if mode != "dense":
-        index, _ = hand_index(
-            case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128, keep=_keep_some(5, 0.2)
-        )
+        index, _ = hand_index(case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128, keep=keep)
     if mode == "corrected":
         plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch))
+    return index, plan
+
+
+def _check_prefill_against_the_reference(case, index, plan) -> None:
+    """The kernel on NaN-poisoned out / lse against the fp64 reference (dense without an index)."""
     lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
     got = native.hopper_prefill(
         case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, index=index, plan=plan, lse=lse
@@ -184,6 +173,26 @@ def test_split_kv_matches_the_reference(paged_case, hand_index, monkeypatch, hea
         same = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan).to(torch.bfloat16)
     _check(got, want, same)
     torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=5e-3 if plan else 1e-3)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("splits", ["auto", "3", "16"])
+@pytest.mark.parametrize("mode", ["dense", "sparse", "corrected"])
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_split_kv_matches_the_reference(paged_case, hand_index, monkeypatch, head_dim, page_size, mode, splits):
+    # The splits' partial rows and the combine against the fp64 reference: a lost or double-counted part of
+    # a tile's KV blocks, or a wrong merge weight, moves the output far beyond the bf16 rule. 16 splits leave
+    # some splits of the short request's tiles without any KV tile (their rows carry lse -inf).
+    _require_kernel()
+    if splits != "auto":
+        monkeypatch.setenv("FPV2_HOPPER_SPLITS", splits)
+    case = paged_case(
+        SPLIT_SEQLENS_Q, SPLIT_SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", seed=31 + page_size + head_dim + len(mode),
+    )  # fmt: skip
+    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(5, 0.2))
+    _check_prefill_against_the_reference(case, index, plan)
 
 
 @pytest.mark.hopper
@@ -239,31 +248,9 @@ def test_work_order_matches_the_reference(paged_case, hand_index, monkeypatch, h
         ORDER_SEQLENS_Q, ORDER_SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
         dtype=torch.bfloat16, device="cuda", seed=47 + page_size + head_dim + len(mode),
     )  # fmt: skip
-    index = plan = None
-    if mode != "dense":
-        index, _ = hand_index(
-            case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128, keep=_keep_some(9, 0.3)
-        )
-    if mode == "corrected":
-        plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch))
+    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(9, 0.3))
     assert _workspace_bytes(case, index, plan) > 0, "the launcher did not order this uneven batch's tiles"
-    lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
-    got = native.hopper_prefill(
-        case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, index=index, plan=plan, lse=lse
-    )
-    if index is None:
-        want, want_lse = dense_attention(
-            case.q, case.k_cache, case.v_cache, case.batch, compute_dtype=torch.float64, return_lse=True
-        )
-        same = dense_attention(case.q, case.k_cache, case.v_cache, case.batch).to(torch.bfloat16)
-    else:
-        want, want_lse = sparse_attention(
-            case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, compute_dtype=torch.float64,
-            return_lse=True,
-        )  # fmt: skip
-        same = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan).to(torch.bfloat16)
-    _check(got, want, same)
-    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=5e-3 if plan else 1e-3)
+    _check_prefill_against_the_reference(case, index, plan)
 
 
 @pytest.mark.hopper

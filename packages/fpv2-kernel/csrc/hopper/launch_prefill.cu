@@ -246,6 +246,20 @@ int32_t splits_from_environment(int32_t* forced) {
   return FPV2_OK;
 }
 
+// Query tiles x KV heads x requests of the plan: one CTA each without split-KV (the grid of prefill_launch.hpp).
+int64_t plan_query_tiles(const PrefillPlan& plan) {
+  return (int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) / FPV2_KERNEL_TILE_SIZE *
+         plan.num_kv_heads * plan.num_requests;
+}
+
+int32_t sm_count(int device, int* sms) {
+  const cudaError_t err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) {
+    return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cannot query the SM count: %s", cudaGetErrorString(err)));
+  }
+  return FPV2_OK;
+}
+
 // Sets plan.num_splits (split_kv.hpp). Splits serve the overlapped consumers, one CTA per tile, with bf16
 // pooled statistics (not the persistent CTAs, FPV2_HOPPER_OVERLAP=0 or the FP8 correction); automatic ones need the workspace they fill (else none: the
 // same result from one CTA per tile), forced ones are refused without it. `sizing`: choose as if the
@@ -257,16 +271,11 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
   const bool persistent = plan.persistent != 0 && plan.page_size % prefill_kv_tile(plan.head_dim) == 0;
   // The split-KV instantiation is the overlapped consumers' (the default), one CTA per tile.
   if (persistent || !plan.overlap || plan.pooled_k_e4m3 != nullptr || forced == 1) return FPV2_OK;
-  const int64_t num_ctas =
-      (int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) / FPV2_KERNEL_TILE_SIZE *
-      plan.num_kv_heads * plan.num_requests;
+  const int64_t num_ctas = plan_query_tiles(plan);
   int splits = forced;
   if (splits == 0) {
     int sms = 0;
-    const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) {
-      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cannot query the SM count: %s", cudaGetErrorString(err)));
-    }
+    FPV2_RETURN_IF_ERROR(sm_count(device, &sms));
     splits = auto_kv_splits(num_ctas, sms, plan.max_seqlen_k);
   }
   if (splits <= 1) return FPV2_OK;
@@ -311,18 +320,13 @@ int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
   }
   const bool forced = setting == "1";
   if (plan.num_splits > 1 || (!forced && setting != "auto")) return FPV2_OK;
-  const int64_t num_tiles =
-      (int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) / FPV2_KERNEL_TILE_SIZE *
-      plan.num_kv_heads * plan.num_requests;
+  const int64_t num_tiles = plan_query_tiles(plan);
   if (!forced) {
     const bool uneven = plan.num_requests > 1 && (plan.total_q != int64_t(plan.num_requests) * plan.max_seqlen_q ||
                                                  plan.max_seqlen_k > plan.max_seqlen_q);
     if (!uneven) return FPV2_OK;
     int sms = 0;
-    const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) {
-      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cannot query the SM count: %s", cudaGetErrorString(err)));
-    }
+    FPV2_RETURN_IF_ERROR(sm_count(device, &sms));
     if (num_tiles <= sms) return FPV2_OK;  // one wave: the order cannot change when a tile starts
   }
   const uint64_t need = work_order_workspace_bytes(num_tiles);
@@ -524,8 +528,7 @@ int32_t prefill_workspace_size(const fpv2_prefill_args_t& args, uint64_t* bytes)
   *bytes = split_workspace_bytes(plan.total_q, int64_t(plan.num_kv_heads) * plan.group, plan.head_dim,
                                  plan.num_splits);
   if (plan.work_order) {
-    *bytes = work_order_workspace_bytes((int64_t(plan.max_seqlen_q) * plan.group + FPV2_KERNEL_TILE_SIZE - 1) /
-                                        FPV2_KERNEL_TILE_SIZE * plan.num_kv_heads * plan.num_requests);
+    *bytes = work_order_workspace_bytes(plan_query_tiles(plan));
   }
   return FPV2_OK;
 }
