@@ -37,6 +37,9 @@ BIN="${WO_BIN:-build/kernel}"
 OUT="${OUT:-$ROOT/fpv2-results/work-order}"
 mkdir -p "$OUT" || exit 1
 LOGS="$(mktemp -d)"
+# Pack whatever ran, also when the call's time limit stops the script part-way.
+trap 'tar czf "$OUT/work-order-$PART.tgz" -C "$LOGS" .' EXIT
+trap 'exit 143' TERM INT
 TEST="$BIN/fpv2_hopper_prefill_test"
 
 summary() {
@@ -57,6 +60,8 @@ if [ "$PART" = checks ]; then
   echo "pytest: rc=$?"
   tail -2 "$LOGS/pytest-order.log"
 elif [ "$PART" = persistent ]; then
+  timeout 60 "$TEST" --mode small > "$LOGS/small-default.log" 2>&1
+  echo "small, default (one CTA per tile, tile_at moved out of the kernel): rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small-default.log")"
   FPV2_HOPPER_PERSISTENT=1 timeout 60 "$TEST" --mode small > "$LOGS/small-persistent.log" 2>&1
   echo "small, persistent: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small-persistent.log")"
   FPV2_HOPPER_PERSISTENT=1 timeout 240 "$TEST" --mode correctness > "$LOGS/grid-persistent.log" 2>&1
@@ -112,4 +117,3 @@ else
   echo "usage: $0 checks|persistent|timings" >&2
   exit 2
 fi
-tar czf "$OUT/work-order-$PART.tgz" -C "$LOGS" .
