@@ -10,6 +10,11 @@
 #                                                 since 2026-12-02), then B=1 timings at 32K and 128K, one CTA
 #                                                 per tile vs persistent, at keep 0 and twice at 0.03, and
 #                                                 the planted pipeline (fpv2 bench) at 32K and 128K both ways
+#   benchmarks/work_order_device_run.sh dynamic   persistent CTAs fed by the tile queue (FPV2_HOPPER_PERSISTENT=dynamic,
+#                                                 csrc/hopper/tile_queue.hpp): --mode small, the grid, + work
+#                                                 order, its pytest GPU tests; B=1 timings one CTA per tile /
+#                                                 dynamic / static snake at keep 0 and twice 0.03; the planted
+#                                                 pipeline at 128K and 32K, dynamic vs one CTA per tile
 #   benchmarks/work_order_device_run.sh timings   native timings (median of 10, keep 0.03, page 128) of three
 #                                                 uneven batches with the order off / auto (alternating, twice),
 #                                                 B=1 at 32K and 128K off / forced, and persistent CTAs with the
@@ -25,6 +30,12 @@
 # (SASS census: 715 against 712 at d = 128, was 747), so the dense-mode loss (+7.5% at 128K) should mostly go,
 # tiles of one kept block keep their -20%, keep 0.03 should move from +5-10% to -3 to -8%, and the planted 128K
 # pipeline from 14.8 ms to about 13.1-13.4 (one CTA per tile: 13.5-13.7).
+#
+# Dynamic tile queue (prediction, 2026-12-02, before its first run): the static snake's 3%-density loss (+4% at
+# 32K, +3-7% at 128K against one CTA per tile, same day) is its imbalance (an estimated +-10% spread of the
+# CTAs' sums of kept blocks at 32K); claimed dynamically and published a tile ahead, keep 0 keeps the snake's
+# -18%, keep 0.03 goes to -3 to -8% at 32K (0.81 -> 0.75-0.79 ms) and -2 to -5% at 128K, dense within +-2% of
+# one CTA per tile, the planted 128K pipeline 13.8 -> 13.3-13.6 ms.
 #
 # Environment: WO_BIN folder with libfpv2_kernel.so and fpv2_hopper_prefill_test [build/kernel]; FPV2_COMMIT
 # (recorded by fpv2 bench: the device copy has no git); OUT; logs go to a temporary folder packed into
@@ -113,7 +124,39 @@ elif [ "$PART" = timings ]; then
       summary "$log"
     done
   done
+elif [ "$PART" = dynamic ]; then
+  FPV2_HOPPER_PERSISTENT=dynamic timeout 60 "$TEST" --mode small > "$LOGS/small-dynamic.log" 2>&1
+  echo "small, dynamic tile queue: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small-dynamic.log")"
+  FPV2_HOPPER_PERSISTENT=dynamic timeout 200 "$TEST" --mode correctness > "$LOGS/grid-dynamic.log" 2>&1
+  echo "grid, dynamic: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid-dynamic.log") fail $(grep -c '^\[FAIL' "$LOGS/grid-dynamic.log")"
+  FPV2_HOPPER_PERSISTENT=dynamic FPV2_HOPPER_WORK_ORDER=1 timeout 60 "$TEST" --mode small > "$LOGS/small-dynamic-order.log" 2>&1
+  echo "small, dynamic + work order: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small-dynamic-order.log")"
+  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
+    timeout 150 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_hopper_kernel.py \
+    -k "dynamic_tile_queue" > "$LOGS/pytest-dynamic.log" 2>&1
+  echo "pytest dynamic: rc=$?"
+  tail -2 "$LOGS/pytest-dynamic.log"
+  n=0
+  for keep in 0.0 0.03 0.03; do
+    for persistent in 0 dynamic 1; do
+      n=$((n + 1))
+      log="$LOGS/timing-persistent-$persistent-keep$keep-$n.log"
+      FPV2_HOPPER_PERSISTENT=$persistent timeout 100 "$TEST" --mode timing --lengths 32768,131072 --repeats 10 \
+        --keep "$keep" > "$log" 2>&1
+      echo "B=1, keep $keep, persistent $persistent: rc=$?"
+      summary "$log"
+    done
+  done
+  for L in 131072 32768; do
+    for persistent in dynamic 0; do
+      PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
+        FPV2_HOPPER_PERSISTENT=$persistent timeout 90 python3 -m fpv2.serving bench -B 1 -L "$L" --page-size 128 \
+        --alpha 0.1 --no-progress --out "$LOGS/bench-$L-persistent-$persistent" > "$LOGS/bench-$L-persistent-$persistent.log" 2>&1
+      echo "bench L=$L persistent $persistent: rc=$?"
+      grep -E "fpv2-(sparse|dense)" "$LOGS/bench-$L-persistent-$persistent.log" | cut -c1-160
+    done
+  done
 else
-  echo "usage: $0 checks|persistent|timings" >&2
+  echo "usage: $0 checks|persistent|timings|dynamic" >&2
   exit 2
 fi

@@ -285,6 +285,54 @@ def test_work_order_is_opt_in_and_auto_orders_uneven_batches_only(paged_case, mo
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("work_order", ["0", "1"])
+@pytest.mark.parametrize("mode", ["dense", "sparse", "corrected"])
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_dynamic_tile_queue_matches_the_reference(
+    paged_case, hand_index, monkeypatch, head_dim, page_size, mode, work_order
+):
+    # FPV2_HOPPER_PERSISTENT=dynamic (csrc/hopper/tile_queue.hpp): persistent CTAs claim tiles from a counter
+    # in the workspace; a tile claimed twice or never leaves a wrong or NaN-poisoned row. Page 16 runs one CTA
+    # per tile (the gather path has no persistent CTAs) and must not ask for the counter.
+    _require_kernel()
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "dynamic")
+    monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", work_order)
+    case = paged_case(
+        ORDER_SEQLENS_Q, ORDER_SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", seed=91 + page_size + head_dim + len(mode),
+    )  # fmt: skip
+    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(9, 0.3))
+    asked = _workspace_bytes(case, index, plan)
+    if page_size % 128 == 0 or work_order == "1":
+        assert asked > 0
+    else:
+        assert asked == 0, "the gather path runs one CTA per tile: no tile counter"
+    _check_prefill_against_the_reference(case, index, plan)
+
+
+@pytest.mark.hopper
+def test_dynamic_tile_queue_needs_its_workspace_and_the_overlapped_consumers(paged_case, monkeypatch):
+    _require_kernel()
+    case = paged_case([1500] * 2, [1500] * 2, num_q_heads=8, num_kv_heads=2, head_dim=BUILT_HEAD_DIMS[0],
+                      page_size=128, dtype=torch.bfloat16, device="cuda", seed=6)  # fmt: skip
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "1")
+    assert _workspace_bytes(case) == 0  # the static snake order
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "dynamic")
+    assert _workspace_bytes(case) == 256
+    too_small = torch.empty(128, dtype=torch.uint8, device="cuda")
+    with pytest.raises(native.NativeError, match="FPV2_HOPPER_PERSISTENT=dynamic: the tile queue needs 256 bytes"):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, workspace=too_small)
+    monkeypatch.setenv("FPV2_HOPPER_OVERLAP", "0")
+    with pytest.raises(ValueError, match="FPV2_HOPPER_PERSISTENT=dynamic: the tile queue is built for the overlapped"):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch)
+    monkeypatch.delenv("FPV2_HOPPER_OVERLAP")
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "yes")
+    with pytest.raises(ValueError, match="FPV2_HOPPER_PERSISTENT=yes: expected 0, 1 or dynamic"):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch)
+
+
+@pytest.mark.hopper
 @pytest.mark.parametrize("head_dim", UNBUILT_HEAD_DIMS)
 def test_head_dims_it_was_not_built_for_are_refused(paged_case, head_dim):
     _require_kernel()

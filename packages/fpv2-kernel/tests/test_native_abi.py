@@ -708,7 +708,11 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     monkeypatch.setenv("FPV2_HOPPER_PINGPONG", "1")
     monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "true")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
-    assert "FPV2_HOPPER_PERSISTENT=true" in _last_error()
+    assert "FPV2_HOPPER_PERSISTENT=true" in _last_error() and "expected 0, 1 or dynamic" in _last_error()
+    # The dynamic tile queue is built for the overlapped consumers only (pingpong turns them off here).
+    monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "dynamic")
+    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+    assert "FPV2_HOPPER_PERSISTENT=dynamic: the tile queue is built for the overlapped consumers" in _last_error()
     monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "0")
     monkeypatch.setenv("FPV2_HOPPER_OVERLAP", "on")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT

@@ -9,10 +9,10 @@ from fpv2.kernel._native.api import workspace_may_be_used
 H200_SMS = 132
 
 
-def _rule(num_requests, total_q, max_q, max_k, *, splits="", work_order="", group=4, kv_heads=8):
+def _rule(num_requests, total_q, max_q, max_k, *, splits="", work_order="", persistent="", group=4, kv_heads=8):
     return workspace_may_be_used(
         num_requests=num_requests, total_q=total_q, max_seqlen_q=max_q, max_seqlen_k=max_k, group=group,
-        num_kv_heads=kv_heads, sms=H200_SMS, splits=splits, work_order=work_order,
+        num_kv_heads=kv_heads, sms=H200_SMS, splits=splits, work_order=work_order, persistent=persistent,
     )  # fmt: skip
 
 
@@ -42,3 +42,10 @@ def test_auto_orders_uneven_batches_with_more_ctas_than_sms():
     assert not _rule(8, 8 * 4096, 4096, 4096, work_order="auto")  # equal fresh requests
     # Uneven but only 132 CTAs (33 tiles x 4 requests, one KV head): one wave, nothing to order.
     assert not _rule(4, 3000, 1056, 1056, work_order="auto", kv_heads=1)
+
+
+def test_the_dynamic_tile_queue_asks_for_its_counter():
+    # One 32K request (8192 CTAs) asks for nothing, except with the persistent CTAs' tile queue.
+    assert _rule(1, 32768, 32768, 32768, persistent="dynamic")
+    assert not _rule(1, 32768, 32768, 32768, persistent="1")  # the static snake order needs no workspace
+    assert not _rule(1, 32768, 32768, 32768, persistent="0")

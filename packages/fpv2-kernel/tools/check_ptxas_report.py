@@ -31,6 +31,7 @@ VARIANT_BUDGETS = {
     "default": (16, 8),
     "persistent": (16, 16),
     "persistent-overlap": (16, 16),
+    "persistent-dynamic": (16, 16),
     "overlap": (16, 8),
     "overlap-e4m3": (16, 8),
     "split": (16, 8),
@@ -64,6 +65,8 @@ VARIANT_BUDGETS = {
 #: straight-line from a broadcast index (the same session: their loops back on the uniform datapath) spill
 #: less: d=128 persistent-overlap 0 / 0 (40 B stack, 40 / 104 B before), d=256 persistent 40 B, 80 / 72 B (96 B,
 #: 212 / 304 B), overlapped 192 B, 292 / 724 B (272 B, 488 / 892 B).
+#: The persistent overlapped consumers fed by the dynamic tile queue (fourth flag, opt-in, same session):
+#: d=128 8 B stack, 4 / 4 B; d=256 200 B, 288 / 720 B (about the static snake order's d=256 build).
 BUDGET_EXCEPTIONS = {
     (128, "overlap"): (32, 40),
     (128, "overlap-e4m3"): (80, 100),
@@ -71,6 +74,7 @@ BUDGET_EXCEPTIONS = {
     (256, "overlap"): (56, 64),
     (256, "persistent"): (40, 80),
     (256, "persistent-overlap"): (192, 724),
+    (256, "persistent-dynamic"): (200, 720),
     (128, "split"): (64, 108),
     (256, "split"): (96, 352),
 }
@@ -90,6 +94,7 @@ _KINDS = {
     "default": "one CTA per tile",
     "persistent": "persistent",
     "persistent-overlap": "persistent, overlapped consumers",
+    "persistent-dynamic": "persistent, dynamic tile queue, overlapped consumers",
     "overlap": "overlapped consumers",
     "overlap-e4m3": "overlapped consumers, FP8 pooled products",
     "split": "split-KV, overlapped consumers",
@@ -120,15 +125,17 @@ class KernelReport:
 
 
 def _variant(name: str) -> str:
-    """The instantiation's name in BUDGETS, from its template flags (persistent, overlap, pooled e4m3) and the
-    traits' split-KV flag."""
+    """The instantiation's name in BUDGETS, from its template flags (persistent, overlap, pooled e4m3, dynamic
+    tile queue) and the traits' split-KV flag."""
     traits = _TRAITS.search(name)
     if traits is not None:
         if traits.group("split") == "1":
             return "split"
         name = name[: traits.start()] + name[traits.end() :]  # the kernel's own flags follow the traits
     flags = [flag == "1" for flag in _FLAGS.findall(name)]
-    persistent, overlap, pooled_e4m3 = [*flags, False, False, False][:3]
+    persistent, overlap, pooled_e4m3, dynamic_tiles = [*flags, False, False, False, False][:4]
+    if persistent and dynamic_tiles:
+        return "persistent-dynamic"
     if persistent:
         return "persistent-overlap" if overlap else "persistent"
     if overlap:

@@ -14,6 +14,7 @@
 #include "hopper/prefill_instances.hpp"
 #include "hopper/prefill_plan.hpp"
 #include "hopper/split_kv.hpp"
+#include "hopper/tile_queue.hpp"
 #include "hopper/work_order.hpp"
 #include "validate/struct_checks.hpp"
 #include "validate/tensor_checks.hpp"
@@ -208,6 +209,24 @@ int32_t switch_from_environment(const char* name, int32_t default_on, int32_t* o
               format("environment %s=%s: expected 0 or 1 (unset: %d)", name, value, default_on));
 }
 
+// FPV2_HOPPER_PERSISTENT: unset, "" or "0" one CTA per tile (default), "1" persistent CTAs in the static
+// snake order (persistent_order.hpp), "dynamic" persistent CTAs fed by the tile queue (tile_queue.hpp).
+int32_t persistent_from_environment(int32_t* persistent) {
+  const char* value = std::getenv("FPV2_HOPPER_PERSISTENT");
+  const std::string setting = value != nullptr ? value : "";
+  if (setting == "" || setting == "0") {
+    *persistent = 0;
+  } else if (setting == "1") {
+    *persistent = 1;
+  } else if (setting == "dynamic") {
+    *persistent = 2;
+  } else {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("environment FPV2_HOPPER_PERSISTENT=%s: expected 0, 1 or dynamic (unset: 0)", value));
+  }
+  return FPV2_OK;
+}
+
 int32_t check_device(int device) {
   int major = 0, minor = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -302,6 +321,32 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
   return FPV2_OK;
 }
 
+// Workspace of the dynamic tile queue's counter (tile_queue.hpp): persistent CTAs (TMA path) with
+// FPV2_HOPPER_PERSISTENT=dynamic; it comes first in the workspace, before the work order's.
+uint64_t tile_queue_bytes(const PrefillPlan& plan) {
+  const bool persistent = plan.persistent == 2 && plan.page_size % prefill_kv_tile(plan.head_dim) == 0;
+  return persistent ? tile_queue_workspace_bytes() : 0;
+}
+
+// Refuses a dynamic tile queue without its workspace (after choose_work_order, whose bytes follow it).
+int32_t check_tile_queue_workspace(const PrefillPlan& plan) {
+  const uint64_t queue = tile_queue_bytes(plan);
+  if (queue == 0) return FPV2_OK;
+  const uint64_t need = queue + (plan.work_order ? work_order_workspace_bytes(plan_query_tiles(plan)) : 0);
+  if (plan.workspace == nullptr || plan.workspace_bytes < need) {
+    return fail(FPV2_ERROR_WORKSPACE_TOO_SMALL,
+                format("environment FPV2_HOPPER_PERSISTENT=dynamic: the tile queue needs %llu bytes of workspace "
+                       "(fpv2_prefill_workspace_size); got fpv2_prefill_args_t.workspace_bytes=%llu",
+                       static_cast<unsigned long long>(need), static_cast<unsigned long long>(plan.workspace_bytes)));
+  }
+  if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment != 0) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("fpv2_prefill_args_t.workspace=%p: the tile queue needs a %llu-byte aligned workspace",
+                       plan.workspace, static_cast<unsigned long long>(kWorkspaceAlignment)));
+  }
+  return FPV2_OK;
+}
+
 // Sets plan.work_order (work_order.hpp) for a call that does not split, after choose_kv_splits.
 // FPV2_HOPPER_WORK_ORDER: unset, "" or "0" off (the default until the order is measured on the device),
 // "1" forces it, "auto" applies the automatic rule: on for more tiles than SMs in a batch whose requests
@@ -329,7 +374,7 @@ int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
     FPV2_RETURN_IF_ERROR(sm_count(device, &sms));
     if (num_tiles <= sms) return FPV2_OK;  // one wave: the order cannot change when a tile starts
   }
-  const uint64_t need = work_order_workspace_bytes(num_tiles);
+  const uint64_t need = tile_queue_bytes(plan) + work_order_workspace_bytes(num_tiles);
   if (sizing) {
     plan.work_order = 1;
     return FPV2_OK;
@@ -413,7 +458,7 @@ int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, Prefil
   FPV2_RETURN_IF_ERROR(gather_layout_from_environment(&gather_layout));
   int32_t pingpong = 0, persistent = 0, overlap = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PINGPONG", 0, &pingpong));
-  FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_PERSISTENT", 0, &persistent));
+  FPV2_RETURN_IF_ERROR(persistent_from_environment(&persistent));
   // Overlapped consumers by default (page 128, B=1: dense 32K -13%, sparse 32K -4% / 128K -10%, corrected
   // -1% / -3%; 4 x 128K -2 to -4%; NOTES.md). They are their own instantiations (one CTA per tile, or
   // persistent), without the pingpong turn barriers: asking for pingpong turns the default off, and asking
@@ -425,10 +470,15 @@ int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, Prefil
     return fail(FPV2_ERROR_INVALID_ARGUMENT,
                 "environment FPV2_HOPPER_OVERLAP=1 cannot be combined with FPV2_HOPPER_PINGPONG=1");
   }
+  if (persistent == 2 && !overlap) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                "environment FPV2_HOPPER_PERSISTENT=dynamic: the tile queue is built for the overlapped consumers; "
+                "unset FPV2_HOPPER_OVERLAP=0 / FPV2_HOPPER_PINGPONG=1, or use FPV2_HOPPER_PERSISTENT=1");
+  }
   if (args.correction != nullptr && fpv2::detail::plan_has_e4m3(*args.correction) && (!overlap || persistent)) {
     return fail(FPV2_ERROR_UNSUPPORTED,
                 "fpv2_correction_plan_t.pooled_k_e4m3: the FP8 correction is built into the overlapped consumers "
-                "only; unset FPV2_HOPPER_OVERLAP=0 / FPV2_HOPPER_PERSISTENT=1 / FPV2_HOPPER_PINGPONG=1, or pass "
+                "only; unset FPV2_HOPPER_OVERLAP=0 / FPV2_HOPPER_PERSISTENT / FPV2_HOPPER_PINGPONG=1, or pass "
                 "the bf16 pooled statistics without the E4M3 copies");
   }
   // Request-major tile order by default: 4 x 128K dense 1269 -> 1027 ms, sparse + correction 59.2 -> 56.2 ms.
@@ -530,6 +580,7 @@ int32_t prefill_workspace_size(const fpv2_prefill_args_t& args, uint64_t* bytes)
   if (plan.work_order) {
     *bytes = work_order_workspace_bytes(plan_query_tiles(plan));
   }
+  *bytes += tile_queue_bytes(plan);  // persistent calls do not split
   return FPV2_OK;
 }
 
@@ -539,6 +590,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
   FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device()));
   FPV2_RETURN_IF_ERROR(choose_work_order(plan, guard.device()));
+  FPV2_RETURN_IF_ERROR(check_tile_queue_workspace(plan));
   // One case per entry of kPrefillHeadDims (prefill_instances.hpp).
   switch (plan.head_dim) {
     case 64:

@@ -54,6 +54,7 @@
 #include "hopper/kv_pipeline.hpp"
 #include "hopper/kv_producer.hpp"
 #include "hopper/persistent_order.hpp"
+#include "hopper/tile_queue.hpp"
 #include "hopper/shared_storage.hpp"
 #include "hopper/tile_geometry.hpp"
 #include "hopper/tile_order.hpp"
@@ -65,10 +66,12 @@
 
 namespace fpv2::hopper {
 
-template <class Traits, bool kPersistent, bool kOverlap, bool kPooledE4M3 = false>
+template <class Traits, bool kPersistent, bool kOverlap, bool kPooledE4M3 = false, bool kDynamicTiles = false>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
   static_assert(!kPooledE4M3 || Traits::kPooledE4M3Built, "the FP8 pooled products need 128-token KV tiles");
+  static_assert(!kDynamicTiles || (kPersistent && kOverlap && !kPooledE4M3),
+                "the dynamic tile queue is built for persistent CTAs with the overlapped consumers");
   static_assert(!Traits::kSplitKv || (!kPersistent && kOverlap && !kPooledE4M3),
                 "split-KV is built into the overlapped consumers, one CTA per tile, bf16 pooled products");
   using Storage = PrefillSharedStorage<Traits>;
@@ -137,6 +140,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const uint32_t producer_arrivals = params.gather ? Traits::kThreadsPerWarpGroup : 1;
     Pipeline::init(smem.pipeline_k, producer_arrivals, Traits::kNumConsumerThreads / 32);
     Pipeline::init(smem.pipeline_v, producer_arrivals, Traits::kNumConsumerThreads / 32);
+    if constexpr (kDynamicTiles) TileQueue::init(smem.tile_queue, Traits::kNumConsumerThreads / 32);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -172,7 +176,23 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         }
       }
     };
-    if constexpr (kPersistent) {
+    if constexpr (kDynamicTiles) {
+      // Warp 0 claims and publishes the CTA's tiles (tile_queue.hpp), each one tile ahead of its loads.
+      if (warp == 0) {
+        auto claim_valid = [&](int index) {
+          while (index < num_tiles && !tile_at(index).valid()) index = TileQueue::claim(params.tile_counter);
+          return index;
+        };
+        int index = claim_valid(int(blockIdx.x));
+        TileQueue::push(smem.tile_queue, 0, index);
+        for (int w = 0; index < num_tiles; ++w) {
+          const int next = claim_valid(TileQueue::claim(params.tile_counter));
+          TileQueue::push(smem.tile_queue, w + 1, next);
+          produce(tile_at(__shfl_sync(0xffffffffu, index, 0)));
+          index = next;
+        }
+      }
+    } else if constexpr (kPersistent) {
       Geometry found;
       for (int k = next_valid(0, found); k >= 0; k = next_valid(k + 1, found)) produce(uniform_tile(k));
     } else {
@@ -182,7 +202,27 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     auto state = Pipeline::consumer_start();
     const int consumer_thread = int(threadIdx.x) - Traits::kThreadsPerWarpGroup;
-    if constexpr (kPersistent) {
+    if constexpr (kDynamicTiles) {
+      // The tiles come from the producer's queue. Tile w + 1 is read as tile w starts: the producer published
+      // it before loading tile w, so the read does not wait (and read inside the mainloop, where the Q rows
+      // are issued, it moved the loops' descriptors to vector registers: 748 instructions a step, not 715).
+      int index = TileQueue::pop(smem.tile_queue, 0);
+      bool q_issued = false;
+      for (int w = 0; index < num_tiles; ++w) {
+        const int next = TileQueue::pop(smem.tile_queue, w + 1);
+        // Decoded from broadcasts, not from the loop-carried index: see uniform_tile.
+        const Geometry tile = tile_at(__shfl_sync(0xffffffffu, index, 0));
+        const bool has_next = next < num_tiles;
+        const Geometry next_tile = tile_at(has_next ? next : 0);
+        ConsumerMainloop<Traits>::template run<kOverlap>(
+            params, tile, smem, consumer_thread, state, q_issued,
+            [&](auto& sQ, int wg, int thread_in_wg) CUTLASS_LAMBDA_FUNC_INLINE {
+              if (has_next) PackGqaQueryLoader<Traits>::issue(sQ, params, next_tile, wg, thread_in_wg);
+            });
+        q_issued = has_next;
+        index = next;
+      }
+    } else if constexpr (kPersistent) {
       // Each call is told the next valid tile, so that it issues that tile's Q rows under its last PV product.
       Geometry next;
       bool q_issued = false;
@@ -190,8 +230,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         const Geometry tile = uniform_tile(k);
         const int k_next = next_valid(k + 1, next);
         const bool has_next = k_next >= 0;
-        ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state, q_issued,
-                                                         has_next, next);
+        ConsumerMainloop<Traits>::template run<kOverlap>(
+            params, tile, smem, consumer_thread, state, q_issued,
+            [&](auto& sQ, int wg, int thread_in_wg) CUTLASS_LAMBDA_FUNC_INLINE {
+              if (has_next) PackGqaQueryLoader<Traits>::issue(sQ, params, next, wg, thread_in_wg);
+            });
         q_issued = has_next;
         k = k_next;
       }

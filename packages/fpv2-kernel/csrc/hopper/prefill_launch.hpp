@@ -118,6 +118,8 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
   const bool pooled_e4m3 = has_correction && plan.pooled_k_e4m3 != nullptr;
   // Persistent CTAs (opt-in) serve the TMA path; pages that need the cp.async gather run one CTA per tile.
   const bool persistent = plan.persistent != 0 && plan.page_size % Traits::kBlockN == 0;
+  // The dynamic tile queue (tile_queue.hpp) is built for the overlapped consumers (the launcher checks).
+  const bool dynamic_tiles = persistent && plan.persistent == 2;
   // With the E4M3 copies the bf16 descriptors are not used either (pooled_k may then be float32).
   const bool pooled_bf16 = has_correction && !pooled_e4m3;
   const int32_t pooled_rows = pooled_bf16 ? plan.pooled_rows : plan.cache_rows;
@@ -212,6 +214,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
                                                      plan.num_splits))
           : nullptr,
       nullptr,  // tile_order: set below when the launcher chose the work order
+      nullptr,  // tile_counter: set below for the dynamic tile queue
   };
 
   // The launcher sends the E4M3 copies only with the overlapped consumers, and only to the instantiations
@@ -223,6 +226,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
     kernel = persistent     ? (plan.overlap ? prefill_kernel<Traits, true, true> : prefill_kernel<Traits, true, false>)
              : plan.overlap ? prefill_kernel<Traits, false, true>
                             : prefill_kernel<Traits, false, false>;
+    if (persistent && dynamic_tiles) kernel = prefill_kernel<Traits, true, true, false, true>;
   } else if (persistent || !plan.overlap || pooled_e4m3 || plan.num_splits <= 1) {
     return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
                               "fpv2 Hopper prefill: a call the split-KV instantiation does not build was sent to it");
@@ -257,9 +261,22 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
                               fpv2::detail::format("fpv2 Hopper prefill: %lld CTAs x %d KV splits exceed the 1-D grid",
                                                    static_cast<long long>(num_ctas), plan.num_splits));
   }
+  // Workspace: the tile queue's counter first (when used), then the work order's permutation.
+  char* order_workspace = static_cast<char*>(plan.workspace);
+  if (dynamic_tiles) {
+    params.tile_counter = reinterpret_cast<int32_t*>(plan.workspace);
+    order_workspace += tile_queue_workspace_bytes();
+    err = cudaMemsetAsync(params.tile_counter, 0, sizeof(int32_t), stream);
+    if (err != cudaSuccess) {
+      return fpv2::detail::fail(FPV2_ERROR_CUDA,
+                                fpv2::detail::format("fpv2 Hopper prefill: clearing the tile queue's counter "
+                                                     "failed: %s",
+                                                     cudaGetErrorString(err)));
+    }
+  }
   if constexpr (!Traits::kSplitKv) {  // a call that splits runs in one wave: nothing to order
     if (plan.work_order) {
-      FPV2_RETURN_IF_ERROR(launch_work_order<Traits>(params, static_cast<int>(num_ctas), plan.workspace, stream));
+      FPV2_RETURN_IF_ERROR(launch_work_order<Traits>(params, static_cast<int>(num_ctas), order_workspace, stream));
     }
   }
   if (persistent) {

@@ -151,6 +151,10 @@ struct PrefillParams {
   // Work order (work_order.hpp): tile slot i computes tile tile_order[i] of the decoded order; nullptr: the
   // decoded order itself (tile_order.hpp).
   int32_t const* tile_order;
+
+  // Dynamic tile scheduler of the persistent CTAs (tile_queue.hpp): the claim counter, zeroed before the
+  // launch; nullptr for the static snake order (and for one CTA per tile).
+  int32_t* tile_counter;
 };
 
 }  // namespace fpv2::hopper

@@ -85,7 +85,9 @@ struct PrefillPlan {
   // producer thread (default), 2 = shared rows + coalesced copies, 3 = warp rows (all measured: NOTES.md).
   int32_t gather_layout;
   int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (measured, not faster)
-  int32_t persistent;  // FPV2_HOPPER_PERSISTENT: 0 (default) or 1 (measured, slower in dense mode)
+  // FPV2_HOPPER_PERSISTENT: 0 (default), 1 = persistent CTAs in the static snake order, 2 ("dynamic") = the
+  // tile queue of tile_queue.hpp (needs its counter in the workspace); both measured: NOTES.md.
+  int32_t persistent;
   int32_t overlap;     // FPV2_HOPPER_OVERLAP: 1 (default) or 0; PV of tile n-1 in flight during softmax n
   int32_t request_major;  // FPV2_HOPPER_REQUEST_MAJOR: 1 (default) or 0; the order when head_major is 0
   int32_t pooled_half_exp;  // FPV2_HOPPER_POOLED_HALF_EXP: 0 (default) or 1; fp16x2 exponentials on pooled tiles

@@ -12,6 +12,7 @@
 
 #include "hopper/correction_mask.hpp"
 #include "hopper/kv_pipeline.hpp"
+#include "hopper/tile_queue.hpp"
 
 namespace fpv2::hopper {
 
@@ -27,6 +28,7 @@ struct PrefillSharedStorage {
   KvPipelineStorage<Traits::kStages> pipeline_v;
   PendingShiftsFor<Traits> pending_shifts;  // mean correction only
   int32_t gather_rows[2][Traits::kBlockN];  // shared-rows gather only: cache row of each token of a tile
+  TileQueueStorage tile_queue;              // dynamic persistent scheduler only
 };
 
 // Dynamic shared memory to request: the storage plus the slack used to align its base.

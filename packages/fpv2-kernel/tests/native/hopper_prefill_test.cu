@@ -133,7 +133,8 @@ bool e4m3_refused_by_schedule() {
     const char* v = std::getenv(name);
     return v != nullptr && std::strcmp(v, value) == 0;
   };
-  return is("FPV2_HOPPER_PERSISTENT", "1") || is("FPV2_HOPPER_OVERLAP", "0") || is("FPV2_HOPPER_PINGPONG", "1");
+  return is("FPV2_HOPPER_PERSISTENT", "1") || is("FPV2_HOPPER_PERSISTENT", "dynamic") ||
+         is("FPV2_HOPPER_OVERLAP", "0") || is("FPV2_HOPPER_PINGPONG", "1");
 }
 
 // The E4M3 variant refused as e4m3_refused_by_schedule() says it must be, or at a head dim whose KV tiles are
@@ -623,7 +624,11 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const char* pingpong = std::getenv("FPV2_HOPPER_PINGPONG");
       const int pingpong_on = pingpong != nullptr && std::strcmp(pingpong, "1") == 0;
       const char* persistent = std::getenv("FPV2_HOPPER_PERSISTENT");
-      const int persistent_on = persistent != nullptr && std::strcmp(persistent, "1") == 0;
+      // 0 one CTA per tile, 1 persistent CTAs in the snake order, 2 the dynamic tile queue.
+      const int persistent_on = persistent == nullptr            ? 0
+                                : std::strcmp(persistent, "1") == 0 ? 1
+                                : std::strcmp(persistent, "dynamic") == 0 ? 2
+                                                                          : 0;
       const char* overlap = std::getenv("FPV2_HOPPER_OVERLAP");
       // The launcher's rule: on unless set to 0, or unset while pingpong is asked for (persistent CTAs have
       // overlapped consumers of their own).

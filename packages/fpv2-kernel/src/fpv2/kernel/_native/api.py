@@ -252,7 +252,7 @@ def _may_use_workspace(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> 
     (csrc/hopper/split_kv.hpp: automatically only with fewer CTAs than SMs, or when
     ``FPV2_HOPPER_SPLITS`` forces splits), or to order its tiles by work (csrc/hopper/work_order.hpp,
     opt-in: ``FPV2_HOPPER_WORK_ORDER=1`` forces it, ``auto`` for more CTAs than SMs in a batch of
-    uneven requests).
+    uneven requests), or for the persistent CTAs' tile counter (``FPV2_HOPPER_PERSISTENT=dynamic``).
 
     Saves the workspace query's host time on every other call; the library decides the rest.
     """
@@ -269,6 +269,7 @@ def _may_use_workspace(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> 
         sms=_sm_count(q.device),
         splits=os.environ.get("FPV2_HOPPER_SPLITS", ""),
         work_order=os.environ.get("FPV2_HOPPER_WORK_ORDER", ""),
+        persistent=os.environ.get("FPV2_HOPPER_PERSISTENT", ""),
     )
 
 
@@ -283,6 +284,7 @@ def workspace_may_be_used(
     sms: int,
     splits: str = "",
     work_order: str = "",
+    persistent: str = "",
 ) -> bool:
     """The binding's rule for asking the library for a workspace (host values only; the library decides).
 
@@ -293,11 +295,15 @@ def workspace_may_be_used(
         sms: the device's SM count.
         splits: the ``FPV2_HOPPER_SPLITS`` setting ("" automatic).
         work_order: the ``FPV2_HOPPER_WORK_ORDER`` setting ("" or "0" off, "1" forced, "auto").
+        persistent: the ``FPV2_HOPPER_PERSISTENT`` setting ("dynamic": the tile queue's counter).
 
     Returns:
-        True when the call may split (fewer CTAs than SMs, or forced splits) or may order its tiles by
-        work (forced, or ``auto`` over uneven requests with more CTAs than SMs).
+        True when the call may split (fewer CTAs than SMs, or forced splits), may order its tiles by
+        work (forced, or ``auto`` over uneven requests with more CTAs than SMs) or runs persistent CTAs
+        fed by the dynamic tile queue.
     """
+    if persistent == "dynamic":
+        return True
     if splits not in ("", "1"):
         return True  # forced: the library needs the workspace (or says why the setting is wrong)
     if work_order == "1":
