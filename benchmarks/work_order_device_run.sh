@@ -15,6 +15,9 @@
 #                                                 order, its pytest GPU tests; B=1 timings one CTA per tile /
 #                                                 dynamic / static snake at keep 0 and twice 0.03; the planted
 #                                                 pipeline at 128K and 32K, dynamic vs one CTA per tile
+#   benchmarks/work_order_device_run.sh sanitize  memcheck, synccheck and racecheck of --mode small, dynamic tile queue
+#                                                 and static snake order; 4 x 128K planted pipeline, dynamic vs
+#                                                 one CTA per tile
 #   benchmarks/work_order_device_run.sh timings   native timings (median of 10, keep 0.03, page 128) of three
 #                                                 uneven batches with the order off / auto (alternating, twice),
 #                                                 B=1 at 32K and 128K off / forced, and persistent CTAs with the
@@ -156,7 +159,30 @@ elif [ "$PART" = dynamic ]; then
       grep -E "fpv2-(sparse|dense)" "$LOGS/bench-$L-persistent-$persistent.log" | cut -c1-160
     done
   done
+elif [ "$PART" = sanitize ]; then
+  # The tile queue's barriers and slots under compute-sanitizer (the static snake order beside it: racecheck's
+  # known ValueTailGuard::clear / cp.async class shows in both), then 4 x 128K through the planted pipeline.
+  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  for persistent in dynamic 1; do
+    FPV2_HOPPER_PERSISTENT=$persistent timeout 120 "$SAN" --tool memcheck --error-exitcode 3 "$TEST" --mode small \
+      > "$LOGS/memcheck-$persistent.log" 2>&1
+    echo "memcheck persistent $persistent: rc=$? $(tail -1 "$LOGS/memcheck-$persistent.log")"
+    FPV2_HOPPER_PERSISTENT=$persistent timeout 120 "$SAN" --tool synccheck --error-exitcode 3 "$TEST" --mode small \
+      > "$LOGS/synccheck-$persistent.log" 2>&1
+    echo "synccheck persistent $persistent: rc=$? $(tail -1 "$LOGS/synccheck-$persistent.log")"
+    FPV2_HOPPER_PERSISTENT=$persistent timeout 150 "$SAN" --tool racecheck --racecheck-report all "$TEST" --mode small \
+      > "$LOGS/racecheck-$persistent.log" 2>&1
+    echo "racecheck persistent $persistent: rc=$? $(grep -E 'RACECHECK SUMMARY' "$LOGS/racecheck-$persistent.log" | tail -1)"
+  done
+  for persistent in dynamic 0; do
+    PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
+      FPV2_HOPPER_PERSISTENT=$persistent timeout 150 python3 -m fpv2.serving bench -B 4 -L 131072 --page-size 128 \
+      --alpha 0.1 --no-progress --out "$LOGS/bench-4x131072-persistent-$persistent" \
+      > "$LOGS/bench-4x131072-persistent-$persistent.log" 2>&1
+    echo "bench 4 x 128K persistent $persistent: rc=$?"
+    grep -E "fpv2-(sparse|dense)" "$LOGS/bench-4x131072-persistent-$persistent.log" | cut -c1-160
+  done
 else
-  echo "usage: $0 checks|persistent|timings|dynamic" >&2
+  echo "usage: $0 checks|persistent|timings|dynamic|sanitize" >&2
   exit 2
 fi
