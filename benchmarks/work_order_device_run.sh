@@ -186,13 +186,14 @@ elif [ "$PART" = sanitize ]; then
   done
 elif [ "$PART" = suites ]; then
   # The default path (one CTA per tile) over the whole grid, then every package's GPU tests on this library.
-  timeout 200 "$TEST" --mode correctness > "$LOGS/grid-default.log" 2>&1
+  timeout 150 "$TEST" --mode correctness > "$LOGS/grid-default.log" 2>&1
   echo "grid, default: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid-default.log") fail $(grep -c '^\[FAIL' "$LOGS/grid-default.log")"
   for package in kernel index correction serving; do
     PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
-      timeout 240 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" "packages/fpv2-$package/tests" \
+      timeout 150 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" "packages/fpv2-$package/tests" \
       > "$LOGS/pytest-gpu-$package.log" 2>&1
     echo "pytest gpu $package: rc=$? $(tail -1 "$LOGS/pytest-gpu-$package.log")"
+    tar czf "$OUT/work-order-$PART.tgz" -C "$LOGS" .  # what ran so far, should the call's limit stop it
   done
 else
   echo "usage: $0 checks|persistent|timings|dynamic|sanitize|suites" >&2
