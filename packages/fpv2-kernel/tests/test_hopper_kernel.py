@@ -264,7 +264,7 @@ def test_work_order_is_opt_in_and_auto_orders_uneven_batches_only(paged_case, mo
 
     uneven = case_of(ORDER_SEQLENS_Q, ORDER_SEQLENS_K)
     monkeypatch.delenv("FPV2_HOPPER_WORK_ORDER", raising=False)
-    assert _workspace_bytes(uneven) == 0, "the work order is opt-in until it is measured on the device"
+    assert _workspace_bytes(uneven) == 0, "the work order is opt-in (measured slower)"
     monkeypatch.setenv("FPV2_HOPPER_WORK_ORDER", "auto")
     assert _workspace_bytes(uneven) > 0
     # Equal fresh requests, and one request: the decoded order already starts the longest tiles first.

@@ -15,7 +15,9 @@
 // rows under the current tile's last PV product. With the overlapped consumers (the default) or without
 // (OVERLAP=0). Measured (2026-12-01, sixth session): -20% on tiles of one kept block, but slower on the
 // random-CSR and dense timings and on the planted pipeline, so it stays off (benchmarks/NOTES.md). Those builds'
-// loops had lost the uniform datapath (uniform_tile below); the timings since are the next device run's.
+// loops had lost the uniform datapath (uniform_tile below); with it back (2026-12-02) the snake order still
+// loses on the planted pipeline (128K +8%). FPV2_HOPPER_PERSISTENT=dynamic takes the tiles from the dynamic
+// tile queue (tile_queue.hpp) instead: 12-21% faster on light tiles, a tie on the planted pipeline, opt-in.
 //
 // Overlapped consumers (the default; FPV2_HOPPER_OVERLAP=0 turns them off; consumer_mainloop.hpp): a third
 // instantiation, one CTA per tile.

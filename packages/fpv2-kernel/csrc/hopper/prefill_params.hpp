@@ -106,8 +106,9 @@ struct PrefillParams {
   // measured): a warpgroup issues its QK only on its turn and hands the turn over right after issuing.
   int32_t pingpong;
 
-  // Persistent CTAs (FPV2_HOPPER_PERSISTENT=1, TMA path only; measured slower in dense mode): gridDim.x
-  // CTAs walk the tiles with stride gridDim.x instead of one CTA per tile.
+  // Persistent CTAs (FPV2_HOPPER_PERSISTENT=1 or dynamic, TMA path only; opt-in, measured: NOTES.md):
+  // gridDim.x CTAs walk the tiles (snake order, or the tile queue with tile_counter) instead of one CTA per
+  // tile.
   int32_t persistent;
 
   // Tile order (prefill_kernel.hpp): 1 = request-major (default: the CTAs running together share one

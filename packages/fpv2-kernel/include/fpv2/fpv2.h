@@ -230,12 +230,14 @@ FPV2_API int32_t fpv2_hopper_kernel_available(void);
  * merges their partial rows; it does so only when args->workspace holds at least the bytes that
  * fpv2_prefill_workspace_size reports (else it runs one CTA per tile: the same result). With the
  * opt-in work order (environment FPV2_HOPPER_WORK_ORDER) calls that do not split use it for the tiles
- * sorted by kept-block work, heaviest first. The workspace must be 256-byte aligned and may be reused
- * once the call's stream is past it. */
+ * sorted by kept-block work, heaviest first; with the opt-in dynamic tile queue of the persistent CTAs
+ * (FPV2_HOPPER_PERSISTENT=dynamic) its first 256 bytes hold the queue's counter, and a call without
+ * them is refused (FPV2_ERROR_WORKSPACE_TOO_SMALL). The workspace must be 256-byte aligned and may be
+ * reused once the call's stream is past it. */
 FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args);
 
-/* ABI 1.3: the workspace bytes fpv2_prefill would use for args (0 when it would neither split nor
- * order the tiles by work);
+/* ABI 1.3: the workspace bytes fpv2_prefill would use for args (0 when it would neither split, order
+ * the tiles by work nor feed persistent CTAs from the dynamic tile queue);
  * args->workspace is not read. Validates args like fpv2_prefill (the same refusals); 0 bytes and
  * FPV2_OK when the kernel is not part of this build. */
 FPV2_API int32_t fpv2_prefill_workspace_size(const fpv2_prefill_args_t* args, uint64_t* bytes);
