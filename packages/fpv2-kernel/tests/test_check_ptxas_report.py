@@ -161,3 +161,24 @@ def test_persistent_overlapped_consumers_have_their_own_budget(tmp_path: Path) -
     assert result.returncode == 1 and "d=128 (persistent, overlapped consumers): 40 bytes" in result.stdout
     result = _run(tmp_path, base + _persistent_overlap_entry(64, 4, 40, 104))
     assert result.returncode == 1 and "d=64 (persistent, overlapped consumers): 40 bytes" in result.stdout
+
+
+def _dynamic_entry(head_dim: int, stack: int, stores: int, loads: int) -> str:
+    """The persistent overlapped consumers fed by the dynamic tile queue: flags (1, 1, 0, 1)."""
+    entry = _ENTRY.format(
+        head_dim=head_dim, stages=2, persistent=1, overlap=1, stack=stack, stores=stores, loads=loads
+    )  # fmt: skip
+    return entry.replace("Lb1ELb1EEEvNS0_", "Lb1ELb1ELb0ELb1EEEvNS0_")
+
+
+def test_the_dynamic_tile_queue_has_its_own_budget(tmp_path: Path) -> None:
+    # Named from its fourth flag, not as the static persistent-overlap build; d=256 has the measured
+    # exception (200 B of stack, 720 B of spills), d=128 the persistent default (16 / 16).
+    text = _report((8, 4, 4), (8, 12, 12)) + _dynamic_entry(128, 8, 4, 4) + _dynamic_entry(256, 200, 288, 720)
+    result = _run(tmp_path, text)
+    assert result.returncode == 0, result.stdout
+    assert "d=128 persistent-dynamic instantiation (2 stages): 8 B stack, 4 / 4" in result.stdout
+    assert "d=256 persistent-dynamic instantiation (2 stages): 200 B stack, 288 / 720" in result.stdout
+    result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12)) + _dynamic_entry(128, 8, 24, 24))
+    assert result.returncode == 1
+    assert "d=128 (persistent, dynamic tile queue, overlapped consumers)" in result.stdout
