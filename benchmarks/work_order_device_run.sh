@@ -64,6 +64,27 @@ summary() {
     cut -c1-120
 }
 
+# A command with the packages' sources and this library (nothing of the project is installed on the device).
+with_packages() {
+  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
+}
+
+# B=1 native timings at 32K and 128K (median of 10): time_b1 KEEP PERSISTENT LOG
+time_b1() {
+  FPV2_HOPPER_PERSISTENT=$2 timeout 100 "$TEST" --mode timing --lengths 32768,131072 --repeats 10 --keep "$1" \
+    > "$3" 2>&1
+  echo "B=1, keep $1, persistent $2: rc=$?"
+  summary "$3"
+}
+
+# The planted pipeline through fpv2 bench (alpha 0.1, page 128): bench_pipeline B L PERSISTENT NAME LIMIT
+bench_pipeline() {
+  FPV2_HOPPER_PERSISTENT=$3 with_packages timeout "$5" python3 -m fpv2.serving bench -B "$1" -L "$2" \
+    --page-size 128 --alpha 0.1 --no-progress --out "$LOGS/$4" > "$LOGS/$4.log" 2>&1
+  echo "bench B=$1 L=$2 persistent $3: rc=$?"
+  grep -E "fpv2-(sparse|dense)" "$LOGS/$4.log" | cut -c1-160
+}
+
 if [ "$PART" = checks ]; then
   FPV2_HOPPER_WORK_ORDER=1 timeout 60 "$TEST" --mode small > "$LOGS/small-order.log" 2>&1
   echo "small, order forced: rc=$?"
@@ -71,8 +92,7 @@ if [ "$PART" = checks ]; then
   echo "small, order forced, persistent: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small-order-persistent.log")"
   FPV2_HOPPER_WORK_ORDER=1 timeout 240 "$TEST" --mode correctness > "$LOGS/grid-order.log" 2>&1
   echo "grid, order forced: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid-order.log") fail $(grep -c '^\[FAIL' "$LOGS/grid-order.log")"
-  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
-    timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_hopper_kernel.py \
+  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_hopper_kernel.py \
     -k "work_order or split_kv or forced_splits" > "$LOGS/pytest-order.log" 2>&1
   echo "pytest: rc=$?"
   tail -2 "$LOGS/pytest-order.log"
@@ -87,20 +107,12 @@ elif [ "$PART" = persistent ]; then
   for keep in 0.0 0.03 0.03; do
     for persistent in 0 1; do
       n=$((n + 1))
-      log="$LOGS/timing-persistent$persistent-keep$keep-$n.log"
-      FPV2_HOPPER_PERSISTENT=$persistent timeout 100 "$TEST" --mode timing --lengths 32768,131072 --repeats 10 \
-        --keep "$keep" > "$log" 2>&1
-      echo "B=1, keep $keep, persistent $persistent: rc=$?"
-      summary "$log"
+      time_b1 "$keep" "$persistent" "$LOGS/timing-persistent$persistent-keep$keep-$n.log"
     done
   done
   for L in 131072 32768; do
     for persistent in 1 0; do
-      PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
-        FPV2_HOPPER_PERSISTENT=$persistent timeout 90 python3 -m fpv2.serving bench -B 1 -L "$L" --page-size 128 \
-        --alpha 0.1 --no-progress --out "$LOGS/bench-$L-persistent$persistent" > "$LOGS/bench-$L-persistent$persistent.log" 2>&1
-      echo "bench L=$L persistent $persistent: rc=$?"
-      grep -E "fpv2-(sparse|dense)" "$LOGS/bench-$L-persistent$persistent.log" | cut -c1-160
+      bench_pipeline 1 "$L" "$persistent" "bench-$L-persistent$persistent" 90
     done
   done
 elif [ "$PART" = timings ]; then
@@ -137,8 +149,7 @@ elif [ "$PART" = dynamic ]; then
   echo "grid, dynamic: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid-dynamic.log") fail $(grep -c '^\[FAIL' "$LOGS/grid-dynamic.log")"
   FPV2_HOPPER_PERSISTENT=dynamic FPV2_HOPPER_WORK_ORDER=1 timeout 60 "$TEST" --mode small > "$LOGS/small-dynamic-order.log" 2>&1
   echo "small, dynamic + work order: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small-dynamic-order.log")"
-  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
-    timeout 150 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_hopper_kernel.py \
+  with_packages timeout 150 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_hopper_kernel.py \
     -k "dynamic_tile_queue" > "$LOGS/pytest-dynamic.log" 2>&1
   echo "pytest dynamic: rc=$?"
   tail -2 "$LOGS/pytest-dynamic.log"
@@ -146,20 +157,12 @@ elif [ "$PART" = dynamic ]; then
   for keep in 0.0 0.03 0.03; do
     for persistent in 0 dynamic 1; do
       n=$((n + 1))
-      log="$LOGS/timing-persistent-$persistent-keep$keep-$n.log"
-      FPV2_HOPPER_PERSISTENT=$persistent timeout 100 "$TEST" --mode timing --lengths 32768,131072 --repeats 10 \
-        --keep "$keep" > "$log" 2>&1
-      echo "B=1, keep $keep, persistent $persistent: rc=$?"
-      summary "$log"
+      time_b1 "$keep" "$persistent" "$LOGS/timing-persistent-$persistent-keep$keep-$n.log"
     done
   done
   for L in 131072 32768; do
     for persistent in dynamic 0; do
-      PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
-        FPV2_HOPPER_PERSISTENT=$persistent timeout 90 python3 -m fpv2.serving bench -B 1 -L "$L" --page-size 128 \
-        --alpha 0.1 --no-progress --out "$LOGS/bench-$L-persistent-$persistent" > "$LOGS/bench-$L-persistent-$persistent.log" 2>&1
-      echo "bench L=$L persistent $persistent: rc=$?"
-      grep -E "fpv2-(sparse|dense)" "$LOGS/bench-$L-persistent-$persistent.log" | cut -c1-160
+      bench_pipeline 1 "$L" "$persistent" "bench-$L-persistent-$persistent" 90
     done
   done
 elif [ "$PART" = sanitize ]; then
@@ -178,12 +181,7 @@ elif [ "$PART" = sanitize ]; then
     echo "racecheck persistent $persistent: rc=$? $(grep -E 'RACECHECK SUMMARY' "$LOGS/racecheck-$persistent.log" | tail -1)"
   done
   for persistent in dynamic 0; do
-    PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
-      FPV2_HOPPER_PERSISTENT=$persistent timeout 150 python3 -m fpv2.serving bench -B 4 -L 131072 --page-size 128 \
-      --alpha 0.1 --no-progress --out "$LOGS/bench-4x131072-persistent-$persistent" \
-      > "$LOGS/bench-4x131072-persistent-$persistent.log" 2>&1
-    echo "bench 4 x 128K persistent $persistent: rc=$?"
-    grep -E "fpv2-(sparse|dense)" "$LOGS/bench-4x131072-persistent-$persistent.log" | cut -c1-160
+    bench_pipeline 4 131072 "$persistent" "bench-4x131072-persistent-$persistent" 150
   done
 elif [ "$PART" = suites ] || [ "$PART" = suites-others ]; then
   # suites: the default path (one CTA per tile) over the whole grid, then the kernel package's GPU tests;
@@ -198,8 +196,7 @@ elif [ "$PART" = suites ] || [ "$PART" = suites-others ]; then
     limit=240
   fi
   for package in $packages; do
-    PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
-      timeout "$limit" python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" "packages/fpv2-$package/tests" \
+    with_packages timeout "$limit" python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" "packages/fpv2-$package/tests" \
       > "$LOGS/pytest-gpu-$package.log" 2>&1
     echo "pytest gpu $package: rc=$? $(tail -1 "$LOGS/pytest-gpu-$package.log")"
     tar czf "$OUT/work-order-$PART.tgz" -C "$LOGS" .  # what ran so far, should the call's limit stop it

@@ -38,12 +38,6 @@
 
 namespace fpv2::hopper {
 
-// One CTA per tile: no next tile's Q rows to issue.
-struct NoNextQuery {
-  template <class... Args>
-  __device__ __forceinline__ void operator()(Args&&...) const {}
-};
-
 template <class Traits>
 struct ConsumerMainloop {
   using Element = typename Traits::Element;
@@ -113,15 +107,14 @@ struct ConsumerMainloop {
   // branch in the tile order) made it a call whose output accumulators ptxas put in local memory.
   // kPooledE4M3: the pooled tiles of the correction are the E4M3 copies, multiplied on FP8 tensor cores
   // (pooled_e4m3_operands.hpp); overlapped schedule only (the launcher refuses the other combinations).
-  // Persistent CTAs: `q_issued` says the tile's Q rows were issued by the previous call; this call calls
-  // next_query(sQ, warpgroup, thread in warpgroup) exactly once (bf16 pooled products), once its last QK
-  // product is done (under its last PV product in the overlapped schedule), to issue the Q rows of the
-  // CTA's next tile, so that their loads overlap this tile's end.
-  template <bool kOverlap, bool kPooledE4M3 = false, class Params, class Geometry, class Storage,
-            class NextQuery = NoNextQuery>
+  // Persistent CTAs: `q_issued` says the tile's Q rows were issued by the previous call; with `has_next`,
+  // this call issues the Q rows of the CTA's next tile `next_tile` once its last QK product is done (under
+  // its last PV product in the overlapped schedule), so that their loads overlap this tile's end.
+  template <bool kOverlap, bool kPooledE4M3 = false, class Params, class Geometry, class Storage>
   __device__ __forceinline__ static void run(Params const& params, Geometry const& tile, Storage& smem,
                                              int consumer_thread, typename KvPipeline<Traits::kStages>::State& state,
-                                             bool q_issued = false, NextQuery&& next_query = NextQuery{}) {
+                                             bool q_issued = false, bool has_next = false,
+                                             Geometry const& next_tile = Geometry{}) {
     using namespace cute;
     using Pipeline = KvPipeline<Traits::kStages>;
     const int wg = consumer_thread / Traits::kThreadsPerWarpGroup;
@@ -246,7 +239,7 @@ struct ConsumerMainloop {
     };
 
     auto issue_next_query = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-      next_query(sQ, wg, thread_in_wg);
+      if (has_next) PackGqaQueryLoader<Traits>::issue(sQ, params, next_tile, wg, thread_in_wg);
     };
     if constexpr (!kOverlap) {
       walk_schedule_from(schedule, tile, 0, 0, process_tile);

@@ -279,6 +279,20 @@ int32_t sm_count(int device, int* sms) {
   return FPV2_OK;
 }
 
+// Whether the call runs persistent CTAs: asked for, on the TMA path (pages that need the gather run one CTA
+// per tile; prefill_launch.hpp applies the same rule).
+bool runs_persistent(const PrefillPlan& plan) {
+  return plan.persistent != 0 && plan.page_size % prefill_kv_tile(plan.head_dim) == 0;
+}
+
+// The refusal of a workspace that is not kWorkspaceAlignment-aligned, naming what needs it; FPV2_OK if aligned.
+int32_t check_workspace_alignment(const PrefillPlan& plan, const char* user) {
+  if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment == 0) return FPV2_OK;
+  return fail(FPV2_ERROR_INVALID_ARGUMENT,
+              format("fpv2_prefill_args_t.workspace=%p: %s needs a %llu-byte aligned workspace", plan.workspace,
+                     user, static_cast<unsigned long long>(kWorkspaceAlignment)));
+}
+
 // Sets plan.num_splits (split_kv.hpp). Splits serve the overlapped consumers, one CTA per tile, with bf16
 // pooled statistics (not the persistent CTAs, FPV2_HOPPER_OVERLAP=0 or the FP8 correction); automatic ones need the workspace they fill (else none: the
 // same result from one CTA per tile), forced ones are refused without it. `sizing`: choose as if the
@@ -287,9 +301,8 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
   int32_t forced = 0;
   FPV2_RETURN_IF_ERROR(splits_from_environment(&forced));
   plan.num_splits = 1;
-  const bool persistent = plan.persistent != 0 && plan.page_size % prefill_kv_tile(plan.head_dim) == 0;
   // The split-KV instantiation is the overlapped consumers' (the default), one CTA per tile.
-  if (persistent || !plan.overlap || plan.pooled_k_e4m3 != nullptr || forced == 1) return FPV2_OK;
+  if (runs_persistent(plan) || !plan.overlap || plan.pooled_k_e4m3 != nullptr || forced == 1) return FPV2_OK;
   const int64_t num_ctas = plan_query_tiles(plan);
   int splits = forced;
   if (splits == 0) {
@@ -312,11 +325,7 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
                        splits, splits, static_cast<unsigned long long>(need),
                        static_cast<unsigned long long>(plan.workspace_bytes)));
   }
-  if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment != 0) {
-    return fail(FPV2_ERROR_INVALID_ARGUMENT,
-                format("fpv2_prefill_args_t.workspace=%p: split-KV needs a %llu-byte aligned workspace",
-                       plan.workspace, static_cast<unsigned long long>(kWorkspaceAlignment)));
-  }
+  FPV2_RETURN_IF_ERROR(check_workspace_alignment(plan, "split-KV"));
   plan.num_splits = splits;
   return FPV2_OK;
 }
@@ -324,8 +333,7 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
 // Workspace of the dynamic tile queue's counter (tile_queue.hpp): persistent CTAs (TMA path) with
 // FPV2_HOPPER_PERSISTENT=dynamic; it comes first in the workspace, before the work order's.
 uint64_t tile_queue_bytes(const PrefillPlan& plan) {
-  const bool persistent = plan.persistent == 2 && plan.page_size % prefill_kv_tile(plan.head_dim) == 0;
-  return persistent ? tile_queue_workspace_bytes() : 0;
+  return plan.persistent == 2 && runs_persistent(plan) ? tile_queue_workspace_bytes() : 0;
 }
 
 // Refuses a dynamic tile queue without its workspace (after choose_work_order, whose bytes follow it).
@@ -339,12 +347,7 @@ int32_t check_tile_queue_workspace(const PrefillPlan& plan) {
                        "(fpv2_prefill_workspace_size); got fpv2_prefill_args_t.workspace_bytes=%llu",
                        static_cast<unsigned long long>(need), static_cast<unsigned long long>(plan.workspace_bytes)));
   }
-  if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment != 0) {
-    return fail(FPV2_ERROR_INVALID_ARGUMENT,
-                format("fpv2_prefill_args_t.workspace=%p: the tile queue needs a %llu-byte aligned workspace",
-                       plan.workspace, static_cast<unsigned long long>(kWorkspaceAlignment)));
-  }
-  return FPV2_OK;
+  return check_workspace_alignment(plan, "the tile queue");
 }
 
 // Sets plan.work_order (work_order.hpp) for a call that does not split, after choose_kv_splits.
@@ -390,9 +393,7 @@ int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
   }
   if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment != 0) {
     if (!forced) return FPV2_OK;
-    return fail(FPV2_ERROR_INVALID_ARGUMENT,
-                format("fpv2_prefill_args_t.workspace=%p: the work order needs a %llu-byte aligned workspace",
-                       plan.workspace, static_cast<unsigned long long>(kWorkspaceAlignment)));
+    return check_workspace_alignment(plan, "the work order");
   }
   plan.work_order = 1;
   return FPV2_OK;

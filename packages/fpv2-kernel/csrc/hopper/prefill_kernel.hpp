@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const int consumer_thread = int(threadIdx.x) - Traits::kThreadsPerWarpGroup;
     if constexpr (kDynamicTiles) {
       // The tiles come from the producer's queue. Tile w + 1 is read as tile w starts: the producer published
-      // it before loading tile w, so the read does not wait (and read inside the mainloop, where the Q rows
-      // are issued, it moved the loops' descriptors to vector registers: 748 instructions a step, not 715).
+      // it before loading tile w, so the read does not wait (read inside the mainloop, where the Q rows are
+      // issued, it moved the loops' descriptors to vector registers: 748 instructions a step, not 716).
       int index = TileQueue::pop(smem.tile_queue, 0);
       bool q_issued = false;
       for (int w = 0; index < num_tiles; ++w) {
@@ -215,12 +215,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         // Decoded from broadcasts, not from the loop-carried index: see uniform_tile.
         const Geometry tile = tile_at(__shfl_sync(0xffffffffu, index, 0));
         const bool has_next = next < num_tiles;
-        const Geometry next_tile = tile_at(has_next ? next : 0);
-        ConsumerMainloop<Traits>::template run<kOverlap>(
-            params, tile, smem, consumer_thread, state, q_issued,
-            [&](auto& sQ, int wg, int thread_in_wg) CUTLASS_LAMBDA_FUNC_INLINE {
-              if (has_next) PackGqaQueryLoader<Traits>::issue(sQ, params, next_tile, wg, thread_in_wg);
-            });
+        ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state, q_issued,
+                                                         has_next, tile_at(has_next ? next : 0));
         q_issued = has_next;
         index = next;
       }
@@ -232,11 +228,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         const Geometry tile = uniform_tile(k);
         const int k_next = next_valid(k + 1, next);
         const bool has_next = k_next >= 0;
-        ConsumerMainloop<Traits>::template run<kOverlap>(
-            params, tile, smem, consumer_thread, state, q_issued,
-            [&](auto& sQ, int wg, int thread_in_wg) CUTLASS_LAMBDA_FUNC_INLINE {
-              if (has_next) PackGqaQueryLoader<Traits>::issue(sQ, params, next, wg, thread_in_wg);
-            });
+        ConsumerMainloop<Traits>::template run<kOverlap>(params, tile, smem, consumer_thread, state, q_issued,
+                                                         has_next, next);
         q_issued = has_next;
         k = k_next;
       }

@@ -226,7 +226,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
     kernel = persistent     ? (plan.overlap ? prefill_kernel<Traits, true, true> : prefill_kernel<Traits, true, false>)
              : plan.overlap ? prefill_kernel<Traits, false, true>
                             : prefill_kernel<Traits, false, false>;
-    if (persistent && dynamic_tiles) kernel = prefill_kernel<Traits, true, true, false, true>;
+    if (dynamic_tiles) kernel = prefill_kernel<Traits, true, true, false, true>;
   } else if (persistent || !plan.overlap || pooled_e4m3 || plan.num_splits <= 1) {
     return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
                               "fpv2 Hopper prefill: a call the split-KV instantiation does not build was sent to it");
