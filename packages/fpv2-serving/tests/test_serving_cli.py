@@ -73,6 +73,7 @@ def test_bench_tiny_cpu_writes_results_summary_and_png(tmp_path, capsys):
         assert (record["B"], record["L"], record["Hq"], record["Hkv"], record["d"]) == (1, 1024, 4, 2, 64)
         assert record["dtype"] == "fp32" and record["workload"] == "planted" and record["gpu"] == "cpu"
         assert record["ms"] > 0
+        assert "gpu_ms" not in record  # host-ahead timing exists on CUDA only: no made-up GPU column
     impls = [r["impl"] for r in summary]
     assert impls.count("fpv2-dense/reference") == 1
     assert impls.count("fpv2-sparse/reference") == 2 and impls.count("fpv2-index") == 2

@@ -91,3 +91,120 @@ def test_cuda_marks_record_on_the_stream_current_at_construction(monkeypatch):
     t = clock.timings()
     assert (t.index_ms, t.correction_ms, t.attention_ms) == (1.0, 1.0, 1.0)
     assert all(e.synchronized for e in events[1:])
+
+
+# ---- host-ahead timing: the spin's lead, redone calls, a call that never lets the host ahead
+
+
+def test_spin_lead_kept_when_the_host_issued_the_call_in_time():
+    assert timing.next_spin_lead_ms(1.5, 2.0) == 2.0
+    assert timing.next_spin_lead_ms(timing.HOST_AHEAD_MARGIN * 2.0, 2.0) == 2.0
+
+
+def test_spin_lead_grows_past_the_host_time_when_the_host_fell_behind():
+    lead = timing.next_spin_lead_ms(1.7, 2.0)
+    assert lead is not None and lead >= 4.0 and timing.HOST_AHEAD_MARGIN * lead >= 1.7
+    # A host time far past the lead: the new lead covers it with the margin, not just doubles.
+    lead = timing.next_spin_lead_ms(9.0, 2.0)
+    assert lead is not None and timing.HOST_AHEAD_MARGIN * lead >= 9.0
+
+
+def test_spin_lead_gives_up_past_the_longest_spin():
+    assert timing.next_spin_lead_ms(timing.HOST_AHEAD_MAX_LEAD_MS, timing.HOST_AHEAD_MAX_LEAD_MS) is None
+
+
+class _HostAheadFakes:
+    """A fake GPU: ``_sleep`` spins, events read a fake GPU clock, ``perf_counter`` a fake host clock.
+
+    Each call of ``fn`` costs ``host_ms[i]`` of host time and ``gpu_ms`` of GPU time; a spin of ``lead`` ms
+    starts the GPU clock after it, so the start event reads the spin's end.
+    """
+
+    def __init__(self, host_ms: list[float], gpu_ms: float, cycles_per_ms: float) -> None:
+        self.host_ms, self.gpu_ms, self.cycles_per_ms = list(host_ms), gpu_ms, cycles_per_ms
+        self.host_clock, self.gpu_clock = 0.0, 0.0
+        self.spins: list[float] = []
+        self.calls = 0
+
+    def perf_counter(self) -> float:
+        return self.host_clock / 1e3
+
+    def sleep(self, cycles: int) -> None:
+        self.spins.append(cycles / self.cycles_per_ms)
+        self.gpu_clock += cycles / self.cycles_per_ms
+
+    def fn(self) -> object:
+        self.host_clock += self.host_ms[self.calls]
+        self.gpu_clock += self.gpu_ms
+        self.calls += 1
+        return f"result {self.calls}"
+
+    def event_class(self):
+        fakes = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = -1.0
+
+            def record(self, stream: object = None) -> None:
+                self.t = fakes.gpu_clock
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, end: Event) -> float:
+                return end.t - self.t
+
+        return Event
+
+
+def _install(monkeypatch, fakes: _HostAheadFakes) -> None:
+    monkeypatch.setattr(timing.time, "perf_counter", fakes.perf_counter)
+    monkeypatch.setattr(torch.cuda, "_sleep", fakes.sleep)
+    monkeypatch.setattr(torch.cuda, "Event", fakes.event_class())
+
+
+def test_host_ahead_call_times_the_gpu_work_after_the_spin(monkeypatch):
+    fakes = _HostAheadFakes(host_ms=[0.5], gpu_ms=3.25, cycles_per_ms=1000.0)
+    _install(monkeypatch, fakes)
+    ms, result, lead = timing.host_ahead_call(fakes.fn, torch.device("cuda", 0), 1000.0, lead_ms=2.0)
+    assert ms == pytest.approx(3.25) and result == "result 1" and lead == 2.0
+    assert fakes.spins == [pytest.approx(2.0)]
+
+
+def test_host_ahead_call_redoes_a_call_the_host_fell_behind_on(monkeypatch):
+    # The first try's host time (3 ms) exceeds the 2 ms spin: redone with a longer spin, whose time counts.
+    fakes = _HostAheadFakes(host_ms=[3.0, 3.0], gpu_ms=1.0, cycles_per_ms=500.0)
+    _install(monkeypatch, fakes)
+    ms, result, lead = timing.host_ahead_call(fakes.fn, torch.device("cuda", 0), 500.0, lead_ms=2.0)
+    assert fakes.calls == 2 and result == "result 2"
+    assert lead > 2.0 and timing.HOST_AHEAD_MARGIN * lead >= 3.0
+    assert fakes.spins == [pytest.approx(2.0), pytest.approx(lead)]
+    assert ms == pytest.approx(1.0)
+
+
+def test_host_ahead_call_reports_none_for_a_call_that_syncs(monkeypatch):
+    # Host time always past the longest spin (a call that waits on the GPU): no time, never a wrong one.
+    fakes = _HostAheadFakes(host_ms=[100.0] * 8, gpu_ms=1.0, cycles_per_ms=1000.0)
+    _install(monkeypatch, fakes)
+    ms, _, _ = timing.host_ahead_call(fakes.fn, torch.device("cuda", 0), 1000.0)
+    assert ms is None
+    assert max(fakes.spins) <= timing.HOST_AHEAD_MAX_LEAD_MS
+
+
+def test_host_ahead_samples_refuse_the_cpu():
+    with pytest.raises(ValueError, match="CUDA device"):
+        timing.host_ahead_samples(lambda: None, 3, torch.device("cpu"))
+
+
+def test_host_ahead_samples_keep_the_lead_that_worked(monkeypatch):
+    fakes = _HostAheadFakes(host_ms=[3.0, 3.0, 3.0, 3.0], gpu_ms=2.0, cycles_per_ms=1000.0)
+    _install(monkeypatch, fakes)
+    monkeypatch.setattr(timing, "spin_cycles_per_ms", lambda device: 1000.0)
+    seen: list[tuple[object, bool]] = []
+    samples, result = timing.host_ahead_samples(
+        fakes.fn, 3, torch.device("cuda", 0), on_call=lambda r, timed: seen.append((r, timed))
+    )
+    assert samples == [pytest.approx(2.0)] * 3
+    assert fakes.calls == 4, "one redo for the first call, none after: the longer lead is reused"
+    assert seen == [("result 2", True), ("result 3", True), ("result 4", True)] and result == "result 4"

@@ -27,7 +27,7 @@ from .heatmap import SelectionPanel, write_selection_heatmap
 from .metrics import dense_causal_flops, index_flops, relative_l2_error, select_rows, tflops
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline
 from .report import render_table, summary_record, write_json
-from .timing import StageTimings, median, timed_samples
+from .timing import StageTimings, host_ahead_samples, median, timed_samples
 
 #: ``--dtype`` names and the element type of the timed inputs.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -38,6 +38,10 @@ RESULT_NOTES = (
     "tflops: dense-equivalent 4 B Hq L^2 d / 2 / time, except fpv2-index rows (see tflops_basis)",
     "rel_err: relative L2 error vs fp32 dense attention over all rows; needle_rel_err over the needle rows",
     "density: kept / causally visible (tile, block) pairs, in selection blocks",
+    "gpu_ms (CUDA only): median of the same calls timed with the host ahead of the GPU, as inside a model's "
+    "forward pass: a spin kernel holds the stream while the host issues the call, so the events time the GPU "
+    "work alone (gpu_index_ms etc. its stages; a call is redone with a longer spin until the host kept up); "
+    "ms also counts the host time the idle GPU waits for before and between the call's launches",
 )
 #: Fewest timed runs the protocol accepts on a GPU.
 MIN_GPU_REPEATS = 10
@@ -144,19 +148,55 @@ def _kernel_that_ran(backend: object) -> str:
     return choice[0] if choice else str(getattr(backend, "name", backend))
 
 
-def _measure(
-    fn: Callable[[], object], cfg: BenchConfig, device: torch.device, tick: Callable[[], None]
-) -> tuple[list[float], list[StageTimings], object]:
-    """Warm up, then time ``cfg.repeats`` calls; stage times are collected for pipeline results."""
+@dataclass
+class _Measured:
+    """The samples of one row: eager (host time the GPU waits for included) and host-ahead (GPU only)."""
+
+    samples: list[float]
+    stages: list[StageTimings]
+    result: object
+    gpu_samples: list[float] | None = None
+    gpu_stages: list[StageTimings] = field(default_factory=list)
+    host_ahead_tried: bool = False
+
+    def gpu_fields(self, *, stage_ms: str | None = None) -> dict[str, object]:
+        """The row's host-ahead columns (``gpu_ms`` the whole call, or the stage ``stage_ms``), or ``{}``."""
+        if self.gpu_samples is None:
+            if self.host_ahead_tried:  # never silently absent on a GPU
+                return {"gpu_ms": None, "gpu_note": "the host never got ahead: the call waits on the GPU"}
+            return {}
+        split = _stage_medians(self.gpu_stages) if self.gpu_stages else {}
+        ms = split[stage_ms] if stage_ms is not None else median(self.gpu_samples)
+        return {"gpu_ms": ms, "gpu_samples_ms": self.gpu_samples, **{f"gpu_{k}": v for k, v in split.items()}}
+
+
+def _measure(fn: Callable[[], object], cfg: BenchConfig, device: torch.device, tick: Callable[[], None]) -> _Measured:
+    """Warm up, time ``cfg.repeats`` calls, then (on CUDA) ``cfg.repeats`` more with the host ahead."""
     stages: list[StageTimings] = []
+    gpu_stages: list[StageTimings] = []
 
-    def after_call(result: object, timed: bool) -> None:
-        if timed and isinstance(result, PrefillResult):
-            stages.append(result.timings)
-        tick()
+    def collect(into: list[StageTimings]) -> Callable[[object, bool], None]:
+        def after_call(result: object, timed: bool) -> None:
+            if timed and isinstance(result, PrefillResult):
+                into.append(result.timings)
+            tick()
 
-    samples, result = timed_samples(fn, cfg.warmup, cfg.repeats, device, on_call=after_call)
-    return samples, stages, result
+        return after_call
+
+    samples, result = timed_samples(fn, cfg.warmup, cfg.repeats, device, on_call=collect(stages))
+    if device.type != "cuda":
+        return _Measured(samples, stages, result)
+    result = None  # free the output before the host-ahead calls allocate theirs
+    gpu_samples, result = host_ahead_samples(fn, cfg.repeats, device, on_call=collect(gpu_stages))
+    return _Measured(samples, stages, result, gpu_samples, gpu_stages if gpu_samples is not None else [], True)
+
+
+def _gpu_speedup(dense_gpu: dict[str, object], gpu: dict[str, object]) -> dict[str, object]:
+    """``gpu_speedup``: own dense over this row, both timed with the host ahead (``{}`` without both)."""
+    if dense_gpu.get("gpu_ms") is None or gpu.get("gpu_ms") is None:
+        return {}
+    ms = float(gpu["gpu_ms"])  # type: ignore[arg-type]
+    return {"gpu_speedup": float(dense_gpu["gpu_ms"]) / ms if ms > 0 else None}  # type: ignore[arg-type]
 
 
 def _stage_medians(stages: list[StageTimings]) -> dict[str, float]:
@@ -224,7 +264,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
         return SelectionConfig(**kwargs)
 
     sparse_runs = [(a, c) for a in cfg.alphas for c in cfg.corrections()]
-    total_runs = (cfg.warmup + cfg.repeats) * (1 + len(baselines) + len(sparse_runs))
+    host_ahead_runs = cfg.repeats if device.type == "cuda" else 0
+    total_runs = (cfg.warmup + cfg.repeats + host_ahead_runs) * (1 + len(baselines) + len(sparse_runs))
     bar = tqdm(total=total_runs, desc="fpv2 bench", unit="run", disable=not cfg.progress, mininterval=1.0)
     commit, gpu = git_commit(), gpu_name(device)
     common = {
@@ -256,14 +297,16 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             config_for(cfg.alphas[0]), strategy=DENSE_STRATEGY, correction=False, backend=backend
         )
         bar.set_postfix_str("fpv2 dense")
-        samples, stages, result = _measure(
+        measured = _measure(
             lambda: dense_pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
             cfg,
             device,
             bar.update,
         )
+        samples, result = measured.samples, measured.result
         assert isinstance(result, PrefillResult)
-        split = _stage_medians(stages)
+        split = _stage_medians(measured.stages)
+        dense_gpu = measured.gpu_fields(stage_ms="attention_ms")
         dense_ms = split["attention_ms"]  # the dense mode needs no selection: time its attention stage
         rows.append(
             {
@@ -281,14 +324,17 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                 "needle_rel_err": needle_error(result.out),
                 "tflops": tflops(dense_flops, dense_ms),
                 "speedup": 1.0,
+                **dense_gpu,
             }
         )
-        del result
+        del result, measured
 
         for base in baselines:
             bar.set_postfix_str(base.impl)
-            samples, _, out = _measure(base.call, cfg, device, bar.update)
+            measured = _measure(base.call, cfg, device, bar.update)
+            samples, out = measured.samples, measured.result
             assert isinstance(out, torch.Tensor)
+            gpu = measured.gpu_fields()
             packed = base.packed(out)
             ms = median(samples)
             rows.append(
@@ -309,23 +355,27 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                     "needle_rel_err": needle_error(packed),
                     "tflops": tflops(dense_flops, ms),
                     "speedup": dense_ms / ms if ms > 0 else None,
+                    **gpu,
+                    **_gpu_speedup(dense_gpu, gpu),
                 }
             )
-            del out, packed
+            del out, packed, measured
 
         for alpha, correction in sparse_runs:
             pipe = SparsePrefillPipeline(
                 config_for(alpha), strategy=cfg.strategy, correction=correction, backend=backend
             )
             bar.set_postfix_str(f"alpha={alpha:g} correction={'on' if correction else 'off'}")
-            samples, stages, result = _measure(
+            measured = _measure(
                 lambda pipe=pipe: pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
                 cfg,
                 device,
                 bar.update,
             )
+            samples, result = measured.samples, measured.result
             assert isinstance(result, PrefillResult)
-            split = _stage_medians(stages)
+            split = _stage_medians(measured.stages)
+            gpu = measured.gpu_fields()
             ms = median(samples)
             density = float(result.index.density(batch))
             row = {
@@ -343,6 +393,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                 "tflops": tflops(dense_flops, ms),
                 "speedup": dense_ms / ms if ms > 0 else None,
                 "dense_scaled_ms": density * dense_ms,
+                **gpu,
+                **_gpu_speedup(dense_gpu, gpu),
             }
             rows.append(row)
             rows.append(
@@ -360,6 +412,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                         index_flops(lens, lens, cfg.q_heads, cfg.head_dim, result.index.block_size), split["index_ms"]
                     ),
                     "tflops_basis": "index scoring FLOPs (2 Hq Lq Lk d / Bk / 2), not dense-equivalent",
+                    **({"gpu_ms": gpu.get("gpu_index_ms"), "gpu_index_ms": gpu.get("gpu_index_ms")} if gpu else {}),
                 }
             )
             panels.append(
@@ -367,7 +420,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                     f"alpha={alpha:g}, correction {'on' if correction else 'off'}, density {density:.3f}", result.index
                 )
             )
-            del result
+            del result, measured
     finally:
         bar.close()
 

@@ -27,7 +27,20 @@ SUMMARY_KEYS: dict[str, tuple[type, ...]] = {
     "gpu": (str,),
 }
 #: Extra keys copied into the summary when a row has them.
-SUMMARY_EXTRAS = ("alpha", "strategy", "speedup", "needle_rel_err", "correction_ms", "attention_ms", "timer")
+SUMMARY_EXTRAS = (
+    "alpha",
+    "strategy",
+    "speedup",
+    "needle_rel_err",
+    "correction_ms",
+    "attention_ms",
+    "timer",
+    "gpu_ms",
+    "gpu_index_ms",
+    "gpu_correction_ms",
+    "gpu_attention_ms",
+    "gpu_speedup",
+)
 
 
 def check_summary_record(record: dict[str, object]) -> None:
@@ -117,6 +130,7 @@ def render_table(rows: list[dict[str, object]], *, title: str) -> object:
         "alpha",
         "corr",
         "ms",
+        "GPU ms",
         "index",
         "corr ms",
         "attn",
@@ -132,6 +146,7 @@ def render_table(rows: list[dict[str, object]], *, title: str) -> object:
             _fmt(row.get("alpha"), ".4g"),
             _fmt(row.get("correction") if str(row["impl"]).startswith("fpv2-sparse") else None, ""),
             _fmt(row.get("ms"), ".3f"),
+            _fmt(row.get("gpu_ms"), ".3f"),
             _fmt(row.get("index_ms"), ".3f"),
             _fmt(row.get("correction_ms"), ".3f"),
             _fmt(row.get("attention_ms"), ".3f"),

@@ -181,6 +181,130 @@ def timed_samples(
     return samples, result
 
 
+#: Shortest GPU spin before a host-ahead call, in milliseconds (host issue of a pipeline call: 0.2-0.8 ms).
+HOST_AHEAD_MIN_LEAD_MS = 2.0
+#: Longest spin a host-ahead call may ask for before giving up (a call that waits on the GPU never gets ahead).
+HOST_AHEAD_MAX_LEAD_MS = 64.0
+#: Share of the spin the host may spend issuing the call: the rest is margin for the spin's own launch.
+HOST_AHEAD_MARGIN = 0.8
+
+
+def spin_cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles per millisecond of ``torch.cuda._sleep``, measured once with events on ``device``.
+
+    Args:
+        device: a CUDA device.
+
+    Returns:
+        Cycles per millisecond of the spin kernel at the clock the GPU runs now.
+    """
+    cycles = 2_000_000
+    with torch.cuda.device(device):
+        torch.cuda._sleep(cycles)  # first launch loads the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / max(float(start.elapsed_time(end)), 1e-3)
+
+
+def next_spin_lead_ms(host_ms: float, lead_ms: float) -> float | None:
+    """The spin to use after a host-ahead call: ``lead_ms`` when the host issued the call in time, else more.
+
+    The host is ahead when it finished issuing the call (``host_ms``, from the spin's launch to the call's
+    return) within :data:`HOST_AHEAD_MARGIN` of the spin: then every launch of the call was queued before the
+    GPU reached it, and the events between the spin and the call's end time the GPU alone.
+
+    Args:
+        host_ms: host time from the spin's launch to the call's return.
+        lead_ms: the spin that call used.
+
+    Returns:
+        ``lead_ms`` if the call counts, a longer lead (at least twice the host time) to redo it with, or
+        None when even :data:`HOST_AHEAD_MAX_LEAD_MS` would not do (the call waits on the GPU: a host sync).
+    """
+    if host_ms <= HOST_AHEAD_MARGIN * lead_ms:
+        return lead_ms
+    wanted = max(2.0 * lead_ms, 2.0 * host_ms / HOST_AHEAD_MARGIN)
+    return wanted if wanted <= HOST_AHEAD_MAX_LEAD_MS else None
+
+
+def host_ahead_call(
+    fn: Callable[[], object], device: torch.device, cycles_per_ms: float, lead_ms: float = HOST_AHEAD_MIN_LEAD_MS
+) -> tuple[float | None, object, float]:
+    """GPU milliseconds of one call with the host ahead of the GPU (as in a model's forward pass).
+
+    A spin kernel holds the stream for ``lead_ms`` while the host issues the call behind it, so that the
+    call's kernels run back to back; the call is redone with a longer spin until the host kept up
+    (:func:`next_spin_lead_ms`). Events inside the call (a :class:`StageClock`) time its stages the same way.
+
+    Args:
+        fn: the call (issues work on the current stream of ``device``).
+        device: a CUDA device.
+        cycles_per_ms: :func:`spin_cycles_per_ms` of ``device``.
+        lead_ms: the first spin to try.
+
+    Returns:
+        ``(ms or None, result, lead_ms)``: the GPU time (None when the host never got ahead: the call
+        synchronises with the GPU), the call's result and the spin that worked (reuse it for the next call).
+    """
+    result: object = None
+    lead: float | None = lead_ms
+    while lead is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        result = None  # free the previous output before the next call allocates its own
+        t0 = time.perf_counter()
+        torch.cuda._sleep(int(lead * cycles_per_ms))
+        start.record()
+        result = fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record()
+        end.synchronize()
+        wanted = next_spin_lead_ms(host_ms, lead)
+        if wanted == lead:
+            return float(start.elapsed_time(end)), result, lead
+        lead = wanted
+    return None, result, HOST_AHEAD_MIN_LEAD_MS
+
+
+def host_ahead_samples(
+    fn: Callable[[], object],
+    repeats: int,
+    device: torch.device,
+    *,
+    on_call: Callable[[object, bool], None] | None = None,
+) -> tuple[list[float] | None, object]:
+    """Time ``repeats`` calls with :func:`host_ahead_call` (after :func:`timed_samples` warmed ``fn`` up).
+
+    Args:
+        fn: the call.
+        repeats: timed calls.
+        device: a CUDA device.
+        on_call: called after every call with its result and True (as in :func:`timed_samples`).
+
+    Returns:
+        ``(samples_ms or None, last result)``; None when some call never let the host get ahead.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device (the CPU path is synchronous: there is no "ahead").
+    """
+    if device.type != "cuda":
+        raise ValueError(f"host-ahead timing needs a CUDA device, got {device}")
+    cycles_per_ms = spin_cycles_per_ms(device)
+    samples: list[float] = []
+    lead, result = HOST_AHEAD_MIN_LEAD_MS, None
+    for _ in range(repeats):
+        result = None
+        ms, result, lead = host_ahead_call(fn, device, cycles_per_ms, lead)
+        if on_call is not None:
+            on_call(result, True)
+        if ms is None:
+            return None, result
+        samples.append(ms)
+    return samples, result
+
+
 def benchmark_device(name: str) -> torch.device:
     """The torch device a benchmark script runs on, with an explicit index for CUDA.
 

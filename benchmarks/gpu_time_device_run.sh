@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU time of a pipeline call with the host ahead (fpv2 bench's gpu_ms columns, fpv2.serving.timing.host_ahead_call)
+# beside the eager per-call time, from the repository root, with a library built on the development machine.
+#
+#   benchmarks/gpu_time_device_run.sh bench   fpv2 bench, planted, alpha 0.1, page 128: B=1 at 32K and 128K, then
+#                                             4 x 128K; each row eager (ms) and host-ahead (gpu_ms)
+#   benchmarks/gpu_time_device_run.sh index   benchmarks/index_speed.py at page 1 (the index issue's shape): events,
+#                                             CUDA graph, host issue time, per-kernel profile, cProfile of the host
+#
+# Prediction (written before the first run): the eager time counts the host time the idle GPU waits for, measured
+# at 0.45 ms (32K) and 0.55 ms (128K) of a corrected call (2026-12-01 timeline); with the host ahead the 128K call
+# should read 13.0-13.2 ms (eager 13.6), the 32K call 1.8-1.9 ms (eager 2.1-2.3), the index stage 1.7-1.8 ms at
+# 128K and 0.22-0.27 ms at 32K (graph replay of the index alone: 1.73 and 0.263); the attention stage within +-2%
+# of its eager figure (one launch, already GPU-bound); SDPA rows within +-1%.
+#
+# Environment: GT_BIN folder with libfpv2_kernel.so [build/kernel]; FPV2_COMMIT (recorded by fpv2 bench: the device
+# copy has no git); OUT; outputs go to $OUT/gpu-time-<part>/ and logs are packed into $OUT/gpu-time-<part>.tgz.
+set -u -o pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+PART="${1:-bench}"
+BIN="${GT_BIN:-build/kernel}"
+OUT="${OUT:-$ROOT/fpv2-results/gpu-time}"
+RESULTS="$OUT/gpu-time-$PART"
+mkdir -p "$RESULTS" || exit 1
+LOGS="$(mktemp -d)"
+trap 'tar czf "$OUT/gpu-time-$PART.tgz" -C "$LOGS" .' EXIT
+trap 'exit 143' TERM INT
+
+with_packages() {
+  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
+}
+
+# fpv2 bench of the planted pipeline (alpha 0.1, page 128): bench_row B L NAME LIMIT
+bench_row() {
+  with_packages timeout "$4" python3 -m fpv2.serving bench -B "$1" -L "$2" --page-size 128 --alpha 0.1 \
+    --no-progress --out "$RESULTS/$3" > "$LOGS/$3.log" 2>&1
+  echo "bench B=$1 L=$2: rc=$?"
+  grep -E "fpv2-|torch-" "$LOGS/$3.log" | cut -c1-170
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
+if [ "$PART" = bench ]; then
+  bench_row 1 32768 bench-32768 120
+  bench_row 1 131072 bench-131072 150
+  bench_row 4 131072 bench-4x131072 260
+elif [ "$PART" = index ]; then
+  with_packages timeout 200 python3 benchmarks/index_speed.py --seqlens 32768 131072 --out "$RESULTS/index-speed" \
+    > "$LOGS/index-speed.log" 2>&1
+  echo "index_speed: rc=$?"
+  tail -40 "$LOGS/index-speed.log" | cut -c1-170
+else
+  echo "usage: $0 bench|index" >&2
+  exit 2
+fi
