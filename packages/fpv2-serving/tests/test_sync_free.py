@@ -200,7 +200,7 @@ def test_chunk_selection_takes_the_dense_tail_to_the_index_not_a_second_pass(mon
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_pipeline_and_chunked_prefill_make_no_host_sync():
-    """Steady state (second call, host views seeded): plain, chunk-aware and naive chunked runs sync zero times.
+    """Steady state (second call, host views seeded): dense, plain, chunk-aware and naive chunked runs sync zero times.
 
     Two requests whose chunks end at different times, so the chunk-aware run takes all three
     ways of :func:`select_chunk_blocks` (uniform tail, mixed tails with the densify pass).
@@ -213,7 +213,9 @@ def test_gpu_pipeline_and_chunked_prefill_make_no_host_sync():
     plain = SparsePrefillPipeline(config, backend="triton")
     aware = ChunkedPrefillPipeline(config, backend="triton")
     naive = ChunkedPrefillPipeline(config, backend="triton", chunk_aware=False)
+    dense = SparsePrefillPipeline(config, strategy="dense", correction=False, backend="triton")
     calls = {
+        "dense": lambda: dense(wl.q, wl.k_cache, wl.v_cache, wl.batch),
         "plain": lambda: plain(wl.q, wl.k_cache, wl.v_cache, wl.batch),
         "aware": lambda: aware.run(wl.q, wl.k_cache, wl.v_cache, wl.batch, chunk_size=4096),
         "naive": lambda: naive.run(wl.q, wl.k_cache, wl.v_cache, wl.batch, chunk_size=4096),
@@ -227,6 +229,6 @@ def test_gpu_pipeline_and_chunked_prefill_make_no_host_sync():
             result = call()
             counted[name] = counter.take()
             del result
-    assert {name: count for name, (count, _) in counted.items()} == {"plain": 0, "aware": 0, "naive": 0}, {
+    assert {name: count for name, (count, _) in counted.items()} == {"dense": 0, "plain": 0, "aware": 0, "naive": 0}, {
         name: dict(sites) for name, (_, sites) in counted.items()
     }
