@@ -4,6 +4,7 @@
 #
 #   benchmarks/gpu_time_device_run.sh bench   fpv2 bench, planted, alpha 0.1, page 128: B=1 at 32K and 128K, then
 #                                             4 x 128K; each row eager (ms) and host-ahead (gpu_ms)
+#   benchmarks/gpu_time_device_run.sh pipeline  B=1 bench rows, index_speed.py, the serving GPU tests without the soak
 #   benchmarks/gpu_time_device_run.sh index   benchmarks/index_speed.py at page 1 (the index issue's shape): events,
 #                                             CUDA graph, host issue time, per-kernel profile, cProfile of the host
 #
@@ -44,12 +45,25 @@ if [ "$PART" = bench ]; then
   bench_row 1 32768 bench-32768 120
   bench_row 1 131072 bench-131072 150
   bench_row 4 131072 bench-4x131072 260
+elif [ "$PART" = pipeline ]; then
+  # B=1 bench rows (the dense row's index without a host sync since this part was added), the index at page 1,
+  # then the serving GPU tests but the soak ones (bench's host-ahead columns, the dense pipeline's zero syncs).
+  bench_row 1 32768 bench-32768 80
+  bench_row 1 131072 bench-131072 130
+  with_packages timeout 150 python3 benchmarks/index_speed.py --seqlens 32768 131072 --out "$RESULTS/index-speed" \
+    > "$LOGS/index-speed.log" 2>&1
+  echo "index_speed: rc=$?"
+  grep -v "^note\|Warning" "$LOGS/index-speed.log" | tail -45 | cut -c1-150
+  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" packages/fpv2-serving/tests \
+    --deselect packages/fpv2-serving/tests/test_soak.py > "$LOGS/pytest-gpu-serving.log" 2>&1
+  echo "pytest gpu serving (no soak): rc=$? $(tail -1 "$LOGS/pytest-gpu-serving.log")"
+  grep -E "^(FAILED|ERROR)" "$LOGS/pytest-gpu-serving.log" | head
 elif [ "$PART" = index ]; then
   with_packages timeout 200 python3 benchmarks/index_speed.py --seqlens 32768 131072 --out "$RESULTS/index-speed" \
     > "$LOGS/index-speed.log" 2>&1
   echo "index_speed: rc=$?"
   tail -40 "$LOGS/index-speed.log" | cut -c1-170
 else
-  echo "usage: $0 bench|index" >&2
+  echo "usage: $0 bench|pipeline|index" >&2
   exit 2
 fi
