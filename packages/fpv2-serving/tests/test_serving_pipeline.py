@@ -185,3 +185,29 @@ def test_inputs_are_validated_once_per_call(monkeypatch, planted):
     assert calls == ["index"]
     with pytest.raises(ValueError, match="q must hold"):
         build_block_index(wl.q[:10], wl.k_cache, wl.batch, config=SPARSE)
+
+
+def test_dense_pipeline_pools_once_on_the_fast_path_and_never_in_the_index(monkeypatch):
+    # The dense strategy reads only the statistics' layout: the pipeline pools (K only, on the Triton path) and
+    # hands them over, so build_block_index never falls back to the reference pooling (31 ms and host syncs at
+    # 128K on the H200 when it did).
+    pytest.importorskip("triton")
+    from fpv2.index import api as index_api
+    from fpv2.index.triton import interpreter_enabled
+
+    if not interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 to run the Triton pooling on the CPU")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("build_block_index pooled the keys again")
+
+    monkeypatch.setattr(index_api, "pool_blocks", refuse)
+    monkeypatch.setattr("fpv2.serving.pipeline.use_triton_index", lambda q: True)
+    wl = planted_workload([300], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    ref = dense_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    result = SparsePrefillPipeline(strategy="dense", correction=False, backend="reference")(
+        wl.q, wl.k_cache, wl.v_cache, wl.batch
+    )
+    assert result.statistics is not None and result.statistics.pooled_v is None  # keys only: no V pass
+    assert result.index.density(wl.batch) == pytest.approx(1.0)
+    torch.testing.assert_close(result.out, ref, rtol=1e-5, atol=1e-5)

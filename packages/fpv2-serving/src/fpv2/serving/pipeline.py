@@ -148,19 +148,20 @@ class SparsePrefillPipeline:
         )
         clock = StageClock(q.device)
         clock.mark("start")
-        statistics = None
-        if self.correction or self.strategy != DENSE_STRATEGY:
-            # Pooled K serves the index, pooled V the correction: one pass for both.
-            statistics = _pool_statistics(
-                q,
-                k_cache,
-                v_cache,
-                batch,
-                block_size=self.config.block_size,
-                k_descale=k_descale,
-                v_descale=v_descale,
-                bf16_copies=self.correction,
-            )
+        # Pooled K serves the index, pooled V the correction: one pass for both. Every strategy gets its
+        # statistics here, the dense one too (it reads only their layout): left to build_block_index, they
+        # would come from the reference pooling (31 ms and host syncs at 128K on the H200).
+        statistics = _pool_statistics(
+            q,
+            k_cache,
+            v_cache,
+            batch,
+            block_size=self.config.block_size,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            bf16_copies=self.correction,
+            values=self.correction or self.strategy != DENSE_STRATEGY,
+        )
         # The inputs were validated above (with V): build_block_index would check them again.
         index = _build_block_index(
             q,
@@ -229,9 +230,13 @@ def _pool_statistics(
     batch: PagedPrefillBatch,
     *,
     bf16_copies: bool = False,
+    values: bool = True,
     **kw,
 ):
     """Pooled K/V: the Triton kernel where the Triton index runs, the reference elsewhere.
+
+    Without ``values`` the Triton kernel pools K only (the dense strategy without the correction
+    needs no pooled V); the reference pools both either way.
 
     With ``bf16_copies`` (the correction is on) the Triton kernel also writes bf16 copies of the
     pooled K/V, which the Hopper kernel's binding hands over instead of converting the fp32 means
@@ -241,5 +246,5 @@ def _pool_statistics(
         from fpv2.index.triton import pool_blocks_triton  # imports triton: only on the fast path
 
         copy_dtype = torch.bfloat16 if bf16_copies else None
-        return pool_blocks_triton(k_cache, v_cache, batch, pooled_copy_dtype=copy_dtype, **kw)
+        return pool_blocks_triton(k_cache, v_cache if values else None, batch, pooled_copy_dtype=copy_dtype, **kw)
     return compute_block_statistics(k_cache, v_cache, batch, **kw)
