@@ -5,6 +5,7 @@
 #   benchmarks/gpu_time_device_run.sh bench   fpv2 bench, planted, alpha 0.1, page 128: B=1 at 32K and 128K, then
 #                                             4 x 128K; each row eager (ms) and host-ahead (gpu_ms)
 #   benchmarks/gpu_time_device_run.sh pipeline  B=1 bench rows, index_speed.py, the serving GPU tests without the soak
+#   benchmarks/gpu_time_device_run.sh dense   B=1 bench rows again (dense pipeline fixed), serving GPU tests with durations
 #   benchmarks/gpu_time_device_run.sh index   benchmarks/index_speed.py at page 1 (the index issue's shape): events,
 #                                             CUDA graph, host issue time, per-kernel profile, cProfile of the host
 #
@@ -58,12 +59,21 @@ elif [ "$PART" = pipeline ]; then
     --deselect packages/fpv2-serving/tests/test_soak.py > "$LOGS/pytest-gpu-serving.log" 2>&1
   echo "pytest gpu serving (no soak): rc=$? $(tail -1 "$LOGS/pytest-gpu-serving.log")"
   grep -E "^(FAILED|ERROR)" "$LOGS/pytest-gpu-serving.log" | head
+elif [ "$PART" = dense ]; then
+  # The B=1 rows again after the dense pipeline stopped pooling through the reference, then the serving GPU tests
+  # (no soak) with their durations.
+  bench_row 1 32768 bench-32768 80
+  bench_row 1 131072 bench-131072 120
+  with_packages timeout 300 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" packages/fpv2-serving/tests \
+    --deselect packages/fpv2-serving/tests/test_soak.py --durations=15 -rf > "$LOGS/pytest-gpu-serving.log" 2>&1
+  echo "pytest gpu serving (no soak): rc=$?"
+  grep -E "passed|failed|^FAILED|^ERROR|s call" "$LOGS/pytest-gpu-serving.log" | head -30 | cut -c1-200
 elif [ "$PART" = index ]; then
   with_packages timeout 200 python3 benchmarks/index_speed.py --seqlens 32768 131072 --out "$RESULTS/index-speed" \
     > "$LOGS/index-speed.log" 2>&1
   echo "index_speed: rc=$?"
   tail -40 "$LOGS/index-speed.log" | cut -c1-170
 else
-  echo "usage: $0 bench|pipeline|index" >&2
+  echo "usage: $0 bench|pipeline|dense|index" >&2
   exit 2
 fi
