@@ -41,13 +41,17 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def check_statistics(statistics: BlockStatistics, batch: PagedPrefillBatch, block_size: int) -> None:
+def check_statistics(
+    statistics: BlockStatistics, batch: PagedPrefillBatch, block_size: int, *, read_offsets: bool = True
+) -> None:
     """Check that ``statistics`` pooled this batch's KV in blocks of ``block_size``.
 
     Args:
         statistics: pooled keys (and values) of every block of every request.
         batch: the prefill batch.
         block_size: the block size the caller selects with.
+        read_offsets: compare ``block_offsets`` with the batch's blocks (a device read: a host sync on a
+            GPU). A caller that never reads a pooled row (the dense strategy) passes False.
 
     Raises:
         TypeError: ``statistics`` is not a :class:`BlockStatistics`.
@@ -64,6 +68,8 @@ def check_statistics(statistics: BlockStatistics, batch: PagedPrefillBatch, bloc
         raise ValueError(
             f"statistics.pooled_k must be on the batch's device {batch.device}; got {_describe(statistics.pooled_k)}"
         )
+    if not read_offsets:
+        return
     expected = [0]
     for kv_len in batch.host.seqlens_k:
         expected.append(expected[-1] + num_key_blocks(kv_len, block_size))
@@ -83,6 +89,7 @@ def check_selection_inputs(
     *,
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
+    read_offsets: bool = True,
 ) -> SelectionShapes:
     """Validate the inputs of :meth:`SelectionStrategy.select`.
 
@@ -93,6 +100,7 @@ def check_selection_inputs(
         config: selection parameters.
         q_descale: ``(B, Hkv) float32``, required for ``float8_e4m3fn`` queries, refused otherwise.
         k_descale: ``(B, Hkv) float32`` or None; accepted only with FP8 queries.
+        read_offsets: as in :func:`check_statistics`.
 
     Returns:
         The :class:`SelectionShapes` of the call.
@@ -113,7 +121,7 @@ def check_selection_inputs(
         raise ValueError(f"q must be on the batch's device {batch.device}; got {_describe(q)}")
     if q.shape[0] != batch.total_q:
         raise ValueError(f"q must hold cu_seqlens_q[-1]={batch.total_q} packed queries; got {_describe(q)}")
-    check_statistics(statistics, batch, config.block_size)
+    check_statistics(statistics, batch, config.block_size, read_offsets=read_offsets)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = statistics.num_kv_heads
     if head_dim not in SUPPORTED_HEAD_DIMS:

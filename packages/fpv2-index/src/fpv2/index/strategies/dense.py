@@ -47,7 +47,10 @@ class DenseStrategy:
         Returns:
             The dense block index.
         """
-        shapes = check_selection_inputs(q, batch, statistics, config, q_descale=q_descale, k_descale=k_descale)
+        # No pooled row is read here, so the statistics' offsets cannot change the index: not read back either.
+        shapes = check_selection_inputs(
+            q, batch, statistics, config, q_descale=q_descale, k_descale=k_descale, read_offsets=False
+        )
         host = batch.host
         # Kept blocks per tile from the host lengths (CPU work, no device read), every KV head of a request alike.
         visible: list[torch.Tensor] = []
