@@ -56,7 +56,7 @@ def batch_from_host(
     The lengths come from the host, so reading them back from the device (the
     batch's ``host`` view) would be a needless synchronisation; the batch's
     cached ``host`` view is seeded with them instead, and they reach the device
-    in one non-blocking copy (:func:`~.transfer.device_ints`). Values are not re-checked.
+    in one non-blocking copy (:func:`fpv2.index.transfer.device_ints`). Values are not re-checked.
 
     Args:
         seqlens_q: new queries per request.
