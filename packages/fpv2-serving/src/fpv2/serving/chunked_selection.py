@@ -44,11 +44,11 @@ from collections.abc import Sequence
 import torch
 
 from fpv2.index import SelectionConfig, SelectionStrategy, build_block_index
+from fpv2.index.reference import leading_blocks_index
 from fpv2.kernel.contracts import (
     BlockIndex,
     BlockStatistics,
     PagedPrefillBatch,
-    expected_tile_offsets,
     num_query_tiles,
 )
 
@@ -180,17 +180,9 @@ def dense_block_index(
     """
     masks = [torch.ones(num_query_tiles(n, group, tile_size), dtype=torch.bool) for n in batch.host.q_lens]
     _, visible = _segment_geometry(batch, masks, num_kv_heads, group, tile_size, block_size)
-    offsets_host = torch.zeros(visible.numel() + 1, dtype=torch.int64)
-    torch.cumsum(visible, dim=0, out=offsets_host[1:])
-    nnz = int(offsets_host[-1])
-    device = batch.device
-    offsets = device_ints(offsets_host, device)
-    counts = (offsets[1:] - offsets[:-1]).long()
-    segments = torch.arange(visible.numel(), device=device)
-    segment = torch.repeat_interleave(segments, counts, output_size=nnz)
-    blocks = (torch.arange(nnz, device=device) - offsets[:-1].long()[segment]).to(torch.int32)
-    tile_offsets = device_ints(expected_tile_offsets(batch, group, tile_size), device)
-    return BlockIndex(offsets, blocks, tile_offsets, num_kv_heads, group, tile_size, block_size, check_values=False)
+    return leading_blocks_index(
+        visible, batch, num_kv_heads=num_kv_heads, group=group, tile_size=tile_size, block_size=block_size
+    )
 
 
 def densify_segments(

@@ -3,7 +3,7 @@
 Readable and exact rather than fast; the fused kernels are tested against it.
 """
 
-from .csr import assemble_block_index
+from .csr import assemble_block_index, leading_blocks_index
 from .forced import dense_tile_mask, forced_block_mask, forced_blocks, is_dense_tile, visible_block_mask
 from .inputs import SelectionShapes, check_selection_inputs, check_statistics
 from .scoring import LOG2E, TileEnergies, block_energies, block_energies_online, block_logits, contribution_mask
@@ -27,6 +27,7 @@ __all__ = [
     "forced_block_mask",
     "forced_blocks",
     "is_dense_tile",
+    "leading_blocks_index",
     "request_keep_mask",
     "request_tiles",
     "select_blocks",

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 
 from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch
-from fpv2.kernel.contracts.block_index import expected_tile_offsets
 
 from ..config import SelectionConfig
+from ..reference.csr import leading_blocks_index
 from ..reference.inputs import check_selection_inputs
 from ..reference.tiles import request_tiles
-from ..transfer import device_ints
 from .registry import register_strategy
 
 
@@ -62,31 +61,11 @@ class DenseStrategy:
             )
             visible += [tiles.last_visible_block + 1] * shapes.num_kv_heads
         counts = torch.cat(visible) if visible else torch.zeros(0, dtype=torch.int64)
-        offsets_host = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, dim=0, out=offsets_host[1:])
-        total = int(offsets_host[-1])
-        # One non-blocking copy of the offsets (a pageable copy would make the host wait for the stream), the ids
-        # expanded on the device: 16.8M ids at 128K built and copied on the host cost 8 ms and a sync a call.
-        offsets = device_ints(offsets_host, batch.device)
-        blocks = _ranges(offsets, total)
-        tile_offsets = device_ints(expected_tile_offsets(batch, shapes.group, config.tile_size), batch.device)
-        # Correct by construction (ascending ranges of visible blocks): the CSR value check would copy every id
-        # to the host.
-        return BlockIndex(
-            offsets,
-            blocks,
-            tile_offsets,
-            shapes.num_kv_heads,
-            shapes.group,
-            config.tile_size,
-            config.block_size,
-            check_values=False,
+        return leading_blocks_index(
+            counts,
+            batch,
+            num_kv_heads=shapes.num_kv_heads,
+            group=shapes.group,
+            tile_size=config.tile_size,
+            block_size=config.block_size,
         )
-
-
-def _ranges(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """Ids ``0 .. n_s - 1`` of every segment ``s`` of the CSR ``offsets`` (``total`` ids in all), on their device."""
-    starts = offsets[:-1].long()
-    counts = offsets[1:].long() - starts
-    segment_start = torch.repeat_interleave(starts, counts, output_size=total)
-    return (torch.arange(total, device=offsets.device) - segment_start).to(torch.int32)
