@@ -18,20 +18,11 @@
 # Environment: GT_BIN folder with libfpv2_kernel.so [build/kernel]; FPV2_COMMIT (recorded by fpv2 bench: the device
 # copy has no git); OUT; outputs go to $OUT/gpu-time-<part>/ and logs are packed into $OUT/gpu-time-<part>.tgz.
 set -u -o pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT" || exit 1
-PART="${1:-bench}"
-BIN="${GT_BIN:-build/kernel}"
-OUT="${OUT:-$ROOT/fpv2-results/gpu-time}"
+# shellcheck source=benchmarks/device_run_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
+device_run_start gpu-time "${1:-bench}" "${GT_BIN:-build/kernel}"
 RESULTS="$OUT/gpu-time-$PART"
 mkdir -p "$RESULTS" || exit 1
-LOGS="$(mktemp -d)"
-trap 'tar czf "$OUT/gpu-time-$PART.tgz" -C "$LOGS" .' EXIT
-trap 'exit 143' TERM INT
-
-with_packages() {
-  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
-}
 
 # fpv2 bench of the planted pipeline (alpha 0.1, page 128): bench_row B L NAME LIMIT
 bench_row() {

@@ -47,26 +47,14 @@
 # (recorded by fpv2 bench: the device copy has no git); OUT; logs go to a temporary folder packed into
 # $OUT/work-order-<part>.tgz (the device returns few files), summaries to stdout.
 set -u -o pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT" || exit 1
-PART="${1:-checks}"
-BIN="${WO_BIN:-build/kernel}"
-OUT="${OUT:-$ROOT/fpv2-results/work-order}"
-mkdir -p "$OUT" || exit 1
-LOGS="$(mktemp -d)"
-# Pack whatever ran, also when the call's time limit stops the script part-way.
-trap 'tar czf "$OUT/work-order-$PART.tgz" -C "$LOGS" .' EXIT
-trap 'exit 143' TERM INT
+# shellcheck source=benchmarks/device_run_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
+device_run_start work-order "${1:-checks}" "${WO_BIN:-build/kernel}"
 TEST="$BIN/fpv2_hopper_prefill_test"
 
 summary() {
   grep "^\[" "$1" | grep -E "sparse |corrected |dense " | sed -E 's/ max\|err.*//; s/.*bf16 causal //; s/over 10 runs//' |
     cut -c1-120
-}
-
-# A command with the packages' sources and this library (nothing of the project is installed on the device).
-with_packages() {
-  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
 }
 
 # B=1 native timings at 32K and 128K (median of 10): time_b1 KEEP PERSISTENT LOG

@@ -232,9 +232,10 @@ def test_a_leak_makes_the_cpu_soak_fail():
     kept = []
 
     def leak(call: SoakCall) -> None:
-        # 2 MiB per call, touched, never freed during the run: well above the bound even when the
-        # allocator first reuses pages freed by earlier tests in the same process.
-        kept.append(torch.ones(MIB // 2))
+        # 4 MiB per call (160 MiB in all), touched, never freed during the run: well above the bound even
+        # when the allocator first reuses pages freed by earlier tests in the same process (2 MiB a call
+        # grew RSS by only 11 MB in one CI run, after the suite's earlier tests had freed their memory).
+        kept.append(torch.ones(MIB))
 
     summary = run_soak(cfg, device="cpu", on_call=leak).summary
     assert not summary["memory"]["rss"]["flat"] and not summary["ok"]

@@ -1,0 +1,20 @@
+# Shared start of the device scripts (sourced, not run): device_run_start NAME PART BIN sets ROOT (and cd's there),
+# PART, BIN, OUT (default fpv2-results/NAME) and LOGS (a temporary folder packed into $OUT/NAME-PART.tgz on exit,
+# also when the call's time limit stops the script part-way); with_packages runs a command with the packages'
+# sources and the library in $BIN (nothing of the project is installed on the device).
+device_run_start() {
+  ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
+  cd "$ROOT" || exit 1
+  PART="$2"
+  BIN="$3"
+  OUT="${OUT:-$ROOT/fpv2-results/$1}"
+  mkdir -p "$OUT" || exit 1
+  LOGS="$(mktemp -d)"
+  # shellcheck disable=SC2064  # the archive's name is fixed now
+  trap "tar czf '$OUT/$1-$PART.tgz' -C '$LOGS' ." EXIT
+  trap 'exit 143' TERM INT
+}
+
+with_packages() {
+  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
+}
