@@ -82,6 +82,7 @@ POOL_SWEEP = [
     (16, 2, 1), (16, 1, 1), (32, 2, 1), (8, 4, 8), (16, 8, 8), (16, 4, 2),
     (8, 4, 2), (8, 4, 4), (16, 4, 4), (32, 4, 2), (32, 8, 4), (8, 2, 2),
     (128, 8, 1), (128, 4, 1), (64, 4, 1), (64, 8, 2), (32, 4, 1),
+    (16, 4, 8), (32, 8, 8), (8, 8, 8), (4, 4, 8), (4, 2, 4), (8, 2, 1), (16, 2, 2),
 ]  # fmt: skip
 #: Machine-specific path prefixes removed from everything written to the results.
 _PATH_PREFIXES = ("/work/", "/root/", "/tmp/", "/home/")
@@ -114,6 +115,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-label", default="baseline", help="impl name of the baseline rows")
     p.add_argument("--sweep", action="store_true", help="also sweep the kernels' launch knobs")
     p.add_argument("--sweep-seqlens", type=int, nargs="*", default=[131072], help="L values of the sweep")
+    p.add_argument(
+        "--sweep-kernels",
+        nargs="+",
+        choices=("score", "pool"),
+        default=["score", "pool"],
+        help="kernels whose knobs the sweep varies (default both)",
+    )
     p.add_argument(
         "--auto-tune",
         action="store_true",
@@ -321,7 +329,7 @@ def sweep(
     log: Callable[[str], None],
 ) -> None:
     """Time selection under each scoring knob set and pooling under each pooling knob set (full-row scoring)."""
-    for block_n, warps, stages, per_sm, maxnreg in SCORE_SWEEP:
+    for block_n, warps, stages, per_sm, maxnreg in SCORE_SWEEP if "score" in args.sweep_kernels else []:
         knobs = replace(tuning.SCORE, block_n=block_n, num_warps=warps, num_stages=stages)
         knobs = replace(knobs, programs_per_sm=per_sm, maxnreg=maxnreg)
         previous = tuning.set_tuning(score=knobs)
@@ -333,7 +341,7 @@ def sweep(
         finally:
             tuning.set_tuning(score=previous[0])
         log(f"sweep {sweep_rows[-1]}")
-    for tokens, warps, heads in POOL_SWEEP:
+    for tokens, warps, heads in POOL_SWEEP if "pool" in args.sweep_kernels else []:
         knobs = tuning.PoolTuning(tokens, warps, heads)
         previous = tuning.set_tuning(pool=knobs)
         try:
