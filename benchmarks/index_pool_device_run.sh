@@ -4,8 +4,8 @@
 #
 #   benchmarks/index_pool_device_run.sh sweep    index_speed.py --sweep at page 1 (the index issue's shape) and at
 #                                                page 128 (the bench's), L = 32K and 128K; then the dense-wait probe
-#   benchmarks/index_pool_device_run.sh verify   index_speed.py at page 1 and fpv2 bench at 32K / 128K (page 128) on
-#                                                the chosen knobs
+#   benchmarks/index_pool_device_run.sh verify   index_speed.py at page 1 (and the pooling sweep again at 32K) and
+#                                                fpv2 bench at 32K / 128K (page 128) on the chosen knobs
 #   benchmarks/index_pool_device_run.sh dense-wait  only the probe: host time, syncs and allocator calls of one dense
 #                                                128K pipeline call behind a 400 ms spin
 #
@@ -14,6 +14,11 @@
 # while 128K (1024 programs) runs at 131 us against 112. Fewer heads per program (more programs) or more tokens a
 # step should bring 32K to 35-45 us and leave 128K within +-5%; the index's graph time at 32K, page 1, would go
 # from 0.268 to 0.23-0.24 ms (target 0.25).
+# Measured (sweep): 32K page 1 0.082 -> 0.057 ms with 4 tokens a step (128K 0.142 -> 0.136), page 128 slower with 4
+# (0.044 -> 0.063): the knob is now per page size (PoolTuning.gather_tokens). The dense 128K call issued in 6-18 ms
+# with no sync and no allocator call: the 64 ms cap on the host-ahead spin gave up on it (now 1000 ms).
+# Prediction (verify): index graph time at 32K, page 1 0.255 -> 0.23 ms, 128K within +-1%; the bench's rows (page
+# 128, 8 tokens a step as before) unchanged, and its dense 128K row gets a host-ahead time (about 210 ms).
 #
 # Environment: IP_BIN folder with libfpv2_kernel.so [build/kernel]; FPV2_COMMIT (recorded by fpv2 bench); OUT;
 # outputs go to $OUT/index-pool-<part>/ and logs are packed into $OUT/index-pool-<part>.tgz.
@@ -79,7 +84,7 @@ if [ "$PART" = sweep ]; then
   index_speed 128 page128 150 --sweep --sweep-kernels pool --sweep-seqlens 32768 131072 --probes --error-seqlens --no-host-profile
   dense_wait
 elif [ "$PART" = verify ]; then
-  index_speed 1 page1 150 --probes 2 4 8
+  index_speed 1 page1 200 --probes 2 4 8 --sweep --sweep-kernels pool --sweep-seqlens 32768
   for L in 32768 131072; do
     with_packages timeout 150 python3 -m fpv2.serving bench -B 1 -L "$L" --page-size 128 --alpha 0.1 \
       --no-progress --out "$RESULTS/bench-$L" > "$LOGS/bench-$L.log" 2>&1

@@ -77,7 +77,7 @@ CLOCK_HZ = 1.98e9
 #: Scoring knobs swept by ``--sweep``: (block_n, num_warps, num_stages, programs_per_sm, maxnreg). About 230 registers
 #: per thread fit two 4-warp programs per SM; capped at 168 (spilling outside the scoring loop only), three.
 SCORE_SWEEP = [(64, 4, 2, 2, None), (64, 4, 2, 3, 168), (64, 4, 3, 2, None)]
-#: Pooling knobs swept by ``--sweep``: (tokens, num_warps, heads per program).
+#: Pooling knobs swept by ``--sweep``: (tokens, num_warps, heads per program); ``tokens`` at every page size.
 POOL_SWEEP = [
     (16, 2, 1), (16, 1, 1), (32, 2, 1), (8, 4, 8), (16, 8, 8), (16, 4, 2),
     (8, 4, 2), (8, 4, 4), (16, 4, 4), (32, 4, 2), (32, 8, 4), (8, 2, 2),
@@ -342,7 +342,7 @@ def sweep(
             tuning.set_tuning(score=previous[0])
         log(f"sweep {sweep_rows[-1]}")
     for tokens, warps, heads in POOL_SWEEP if "pool" in args.sweep_kernels else []:
-        knobs = tuning.PoolTuning(tokens, warps, heads)
+        knobs = tuning.PoolTuning(tokens, warps, heads, gather_tokens=tokens)  # the same step at every page size
         previous = tuning.set_tuning(pool=knobs)
         try:
             pool_ms, _ = timed(pool_call(w), args, device)

@@ -210,6 +210,28 @@ def test_pool_matches_reference(page_size: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.pooled_v, ref.pooled_v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("page_size", "tokens"), [(1, 4), (4, 4), (8, 8), (16, 8), (128, 8)])
+def test_pool_steps_gather_pages_by_the_gather_knob(page_size: int, tokens: int, monkeypatch) -> None:
+    # Pages smaller than a step (every token a gather) take gather_tokens a step, the rest tokens (measured
+    # on the H200: 4 tokens a step pool page 1 faster, page 128 slower).
+    knobs = PoolTuning(tokens=8, gather_tokens=4)
+    assert knobs.tokens_for(page_size, 128) == tokens
+    assert knobs.tokens_for(page_size, 2) == 2  # never past the block
+    from fpv2.index.triton import pooling
+
+    seen = []
+    monkeypatch.setattr(pooling, "_POOL", lambda grid, *args, **meta: seen.append(meta["TOKENS"]))
+    previous = set_tuning(pool=knobs)
+    try:
+        w = planted_workload([0], [40], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=page_size, device=DEVICE)
+        pool_blocks_triton(w.k_cache, w.v_cache, w.batch, block_size=16)
+    finally:
+        set_tuning(pool=previous[1])
+    assert seen == [min(tokens, 16)]
+    with pytest.raises(ValueError, match="pooling knobs"):
+        set_tuning(pool=PoolTuning(gather_tokens=3))
+
+
 def test_pool_block_size_and_keys_only() -> None:
     w = planted_workload([9, 40], [50, 40], num_q_heads=2, num_kv_heads=1, head_dim=128, page_size=16, device=DEVICE)
     w_k = w.k_cache.to(torch.float32)

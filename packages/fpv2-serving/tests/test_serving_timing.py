@@ -117,11 +117,13 @@ class _HostAheadFakes:
     """A fake GPU: ``_sleep`` spins, events read a fake GPU clock, ``perf_counter`` a fake host clock.
 
     Each call of ``fn`` costs ``host_ms[i]`` of host time and ``gpu_ms`` of GPU time; a spin of ``lead`` ms
-    starts the GPU clock after it, so the start event reads the spin's end.
+    starts the GPU clock after it, so the start event reads the spin's end. With ``syncs`` a call waits
+    for the GPU: its host time also covers the spin before it and its own GPU work.
     """
 
-    def __init__(self, host_ms: list[float], gpu_ms: float, cycles_per_ms: float) -> None:
+    def __init__(self, host_ms: list[float], gpu_ms: float, cycles_per_ms: float, syncs: bool = False) -> None:
         self.host_ms, self.gpu_ms, self.cycles_per_ms = list(host_ms), gpu_ms, cycles_per_ms
+        self.syncs = syncs
         self.host_clock, self.gpu_clock = 0.0, 0.0
         self.spins: list[float] = []
         self.calls = 0
@@ -134,7 +136,7 @@ class _HostAheadFakes:
         self.gpu_clock += cycles / self.cycles_per_ms
 
     def fn(self) -> object:
-        self.host_clock += self.host_ms[self.calls]
+        self.host_clock += self.host_ms[self.calls] + (self.spins[-1] + self.gpu_ms if self.syncs else 0.0)
         self.gpu_clock += self.gpu_ms
         self.calls += 1
         return f"result {self.calls}"
@@ -184,12 +186,22 @@ def test_host_ahead_call_redoes_a_call_the_host_fell_behind_on(monkeypatch):
 
 
 def test_host_ahead_call_reports_none_for_a_call_that_syncs(monkeypatch):
-    # Host time always past the longest spin (a call that waits on the GPU): no time, never a wrong one.
-    fakes = _HostAheadFakes(host_ms=[100.0] * 8, gpu_ms=1.0, cycles_per_ms=1000.0)
+    # A call that waits on the GPU is never ahead of its spin, however long: no time, never a wrong one.
+    fakes = _HostAheadFakes(host_ms=[0.5] * 16, gpu_ms=1.0, cycles_per_ms=1000.0, syncs=True)
     _install(monkeypatch, fakes)
     ms, _, _ = timing.host_ahead_call(fakes.fn, torch.device("cuda", 0), 1000.0)
     assert ms is None
     assert max(fakes.spins) <= timing.HOST_AHEAD_MAX_LEAD_MS
+
+
+def test_host_ahead_call_times_a_call_with_tens_of_ms_of_host_work(monkeypatch):
+    # A dense 128K call issues in 6-18 ms, with spikes past 25 ms, and never syncs: it must get a time
+    # (a 64 ms cap on the spin gave up on it).
+    fakes = _HostAheadFakes(host_ms=[30.0, 30.0], gpu_ms=214.0, cycles_per_ms=1000.0)
+    _install(monkeypatch, fakes)
+    ms, _, lead = timing.host_ahead_call(fakes.fn, torch.device("cuda", 0), 1000.0)
+    assert ms == pytest.approx(214.0)
+    assert timing.HOST_AHEAD_MARGIN * lead >= 30.0
 
 
 def test_host_ahead_samples_refuse_the_cpu():

@@ -256,7 +256,7 @@ def launch_pool(
         head_dim,
         float(key_scale),
         BLOCK_SIZE=block_size,
-        TOKENS=min(knobs.tokens, block_size),
+        TOKENS=knobs.tokens_for(page_size, block_size),
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_B=max(2, next_power_of_2(num_requests)),
         HEADS=heads,

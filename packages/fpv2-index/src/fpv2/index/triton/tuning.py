@@ -220,15 +220,34 @@ class PoolTuning:
     """Knobs of the pooling kernel.
 
     Attributes:
-        tokens: tokens loaded per step (capped by the block size).
+        tokens: tokens loaded per step (capped by the block size) when a step's tokens share pages.
         num_warps: warps per program.
         heads: KV heads pooled per program (a power of two): with all heads of a token in one
             program, each token's K (and V) row is one contiguous read.
+        gather_tokens: tokens per step when the pages are smaller than ``tokens`` (every token of a step
+            a page-table gather, page size 1 above all). H200, B=1, 32/8 heads, d = 128, planted
+            (``results/2026-12-02-h200-index-pool-knobs/``): at page 1 the pooling kernel (CUDA-graph
+            replay) ran 0.082 -> 0.057 ms at 32K and 0.142 -> 0.136 ms at 128K with 4 tokens a step
+            instead of 8, while at page 128 4 tokens were slower (0.044 -> 0.063 ms at 32K).
     """
 
     tokens: int = 8
     num_warps: int = 4
     heads: int = 8
+    gather_tokens: int = 4
+
+    def tokens_for(self, page_size: int, block_size: int) -> int:
+        """Tokens per step for a cache of ``page_size``: :attr:`gather_tokens` when a step of :attr:`tokens`
+        would span several pages, else :attr:`tokens`; at most ``block_size``.
+
+        Args:
+            page_size: tokens per page.
+            block_size: tokens per key block.
+
+        Returns:
+            A power of two >= 1.
+        """
+        return min(self.gather_tokens if page_size < self.tokens else self.tokens, block_size)
 
     def heads_for(self, num_kv_heads: int, block_d: int) -> int:
         """Heads per program for a cache of ``num_kv_heads`` heads of ``block_d`` (padded) dims: :attr:`heads`,
@@ -295,7 +314,7 @@ def set_tuning(*, score: ScoreTuning | None = None, pool: PoolTuning | None = No
         SCORE = replace(score)
     if pool is not None:
         powers = (1, 2, 4, 8, 16)
-        bad_tokens = pool.tokens < 1 or pool.tokens & (pool.tokens - 1)
+        bad_tokens = any(t < 1 or t & (t - 1) for t in (pool.tokens, pool.gather_tokens))
         if bad_tokens or pool.num_warps not in powers[:4] or pool.heads not in powers:
             raise ValueError(f"unsupported pooling knobs {pool}")
         POOL = replace(pool)
