@@ -6,6 +6,8 @@
 #                                                page 128 (the bench's), L = 32K and 128K; then the dense-wait probe
 #   benchmarks/index_pool_device_run.sh verify   index_speed.py at page 1 (and the pooling sweep again at 32K) and
 #                                                fpv2 bench at 32K / 128K (page 128) on the chosen knobs
+#   benchmarks/index_pool_device_run.sh checks   the index and serving GPU tests (soak included) and the eager
+#                                                pipeline's launch marks at 32K / 128K (where the GPU waits)
 #   benchmarks/index_pool_device_run.sh dense-wait  only the probe: host time, syncs and allocator calls of one dense
 #                                                128K pipeline call behind a 400 ms spin
 #
@@ -91,9 +93,24 @@ elif [ "$PART" = verify ]; then
     echo "bench L=$L: rc=$?"
     grep -E "fpv2-|torch-" "$LOGS/bench-$L.log" | cut -c1-170
   done
+elif [ "$PART" = checks ]; then
+  # The index package's GPU tests on the new pooling step, then where an eager pipeline call leaves the GPU idle
+  # (host issue vs GPU progress of each launch, pipeline_profile.py --marks-only), then the serving GPU tests.
+  with_packages timeout 150 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" packages/fpv2-index/tests \
+    -rf > "$LOGS/pytest-gpu-index.log" 2>&1
+  echo "pytest gpu index: rc=$? $(tail -1 "$LOGS/pytest-gpu-index.log")"
+  grep -E "^(FAILED|ERROR)" "$LOGS/pytest-gpu-index.log" | head
+  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --marks-only --seqlen 32768 131072 \
+    --page-size 128 --out "$RESULTS/marks" > "$LOGS/marks.log" 2>&1
+  echo "marks: rc=$?"
+  grep -v Warning "$LOGS/marks.log" | tail -30 | cut -c1-160
+  with_packages timeout 250 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" packages/fpv2-serving/tests \
+    --durations=8 -rf > "$LOGS/pytest-gpu-serving.log" 2>&1
+  echo "pytest gpu serving (soak included): rc=$?"
+  grep -E "passed|failed|^FAILED|^ERROR|s call" "$LOGS/pytest-gpu-serving.log" | head -20 | cut -c1-200
 elif [ "$PART" = dense-wait ]; then
   dense_wait
 else
-  echo "usage: $0 sweep|verify|dense-wait" >&2
+  echo "usage: $0 sweep|verify|checks|dense-wait" >&2
   exit 2
 fi
