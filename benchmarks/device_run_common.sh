@@ -1,7 +1,8 @@
 # Shared start of the device scripts (sourced, not run): device_run_start NAME PART BIN sets ROOT (and cd's there),
 # PART, BIN, OUT (default fpv2-results/NAME) and LOGS (a temporary folder packed into $OUT/NAME-PART.tgz on exit,
 # also when the call's time limit stops the script part-way); with_packages runs a command with the packages'
-# sources and the library in $BIN (nothing of the project is installed on the device).
+# sources and the library in $BIN (nothing of the project is installed on the device); bench_row runs one fpv2 bench
+# row of the planted pipeline into $RESULTS (set by the script).
 device_run_start() {
   ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
   cd "$ROOT" || exit 1
@@ -17,4 +18,12 @@ device_run_start() {
 
 with_packages() {
   PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
+}
+
+# fpv2 bench of the planted pipeline (alpha 0.1, page 128) into $RESULTS/NAME, log in $LOGS: bench_row B L NAME LIMIT
+bench_row() {
+  with_packages timeout "$4" python3 -m fpv2.serving bench -B "$1" -L "$2" --page-size 128 --alpha 0.1 \
+    --no-progress --out "$RESULTS/$3" > "$LOGS/$3.log" 2>&1
+  echo "bench B=$1 L=$2: rc=$?"
+  grep -E "fpv2-|torch-" "$LOGS/$3.log" | cut -c1-170
 }

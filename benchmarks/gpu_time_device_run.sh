@@ -24,14 +24,6 @@ device_run_start gpu-time "${1:-bench}" "${GT_BIN:-build/kernel}"
 RESULTS="$OUT/gpu-time-$PART"
 mkdir -p "$RESULTS" || exit 1
 
-# fpv2 bench of the planted pipeline (alpha 0.1, page 128): bench_row B L NAME LIMIT
-bench_row() {
-  with_packages timeout "$4" python3 -m fpv2.serving bench -B "$1" -L "$2" --page-size 128 --alpha 0.1 \
-    --no-progress --out "$RESULTS/$3" > "$LOGS/$3.log" 2>&1
-  echo "bench B=$1 L=$2: rc=$?"
-  grep -E "fpv2-|torch-" "$LOGS/$3.log" | cut -c1-170
-}
-
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
 if [ "$PART" = bench ]; then
   bench_row 1 32768 bench-32768 120

@@ -76,7 +76,7 @@ for spin_ms in (400.0, 400.0, 400.0):
     print(json.dumps(rows[-1]), flush=True)
 EOF
   echo "dense-wait: rc=$?"
-  cat "$LOGS/dense-wait.log" | cut -c1-400
+  cut -c1-400 "$LOGS/dense-wait.log"
   cp "$LOGS/dense-wait.log" "$RESULTS/dense-wait.jsonl"
 }
 
@@ -87,12 +87,8 @@ if [ "$PART" = sweep ]; then
   dense_wait
 elif [ "$PART" = verify ]; then
   index_speed 1 page1 200 --probes 2 4 8 --sweep --sweep-kernels pool --sweep-seqlens 32768
-  for L in 32768 131072; do
-    with_packages timeout 150 python3 -m fpv2.serving bench -B 1 -L "$L" --page-size 128 --alpha 0.1 \
-      --no-progress --out "$RESULTS/bench-$L" > "$LOGS/bench-$L.log" 2>&1
-    echo "bench L=$L: rc=$?"
-    grep -E "fpv2-|torch-" "$LOGS/bench-$L.log" | cut -c1-170
-  done
+  bench_row 1 32768 bench-32768 150
+  bench_row 1 131072 bench-131072 150
 elif [ "$PART" = checks ]; then
   # The index package's GPU tests on the new pooling step, then where an eager pipeline call leaves the GPU idle
   # (host issue vs GPU progress of each launch, pipeline_profile.py --marks-only), then the serving GPU tests.

@@ -18,6 +18,7 @@ import torch
 from fpv2.index.triton import pool_blocks_triton, pooling
 from fpv2.index.triton.outputs import fresh_outputs
 from fpv2.kernel.testing import planted_workload
+from fpv2.serving.timing import median
 
 
 def median_us(fn: Callable[[], object], calls: int = 50) -> float:
@@ -28,8 +29,7 @@ def median_us(fn: Callable[[], object], calls: int = 50) -> float:
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
-    samples.sort()
-    return round(samples[calls // 2], 1)
+    return round(median(samples), 1)
 
 
 class RecordingLauncher:
