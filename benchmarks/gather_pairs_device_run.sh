@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Device checks and timings of the lane-pair cp.async gather (csrc/hopper/kv_gather_producer.hpp, 2026-12-02),
+# from the repository root, with libraries and test programs built on the development machine.
+#
+#   benchmarks/gather_pairs_device_run.sh checks   fpv2_hopper_prefill_test --mode small (plain and under
+#                                                  compute-sanitizer memcheck) and the whole correctness grid
+#                                                  (page sizes 1/16/24/64/128/256, every built head dim) on the
+#                                                  new library, then B=1 native timings (32K and 128K, keep 0.03,
+#                                                  dense / sparse / corrected) at page sizes 1 and 16, base
+#                                                  library then new
+#   benchmarks/gather_pairs_device_run.sh timings  the same timings again in the other order (new, then base), and
+#                                                  the planted pipeline (fpv2 bench, page size 1) at 32K and 128K
+#                                                  on the new library with the Hopper and the Triton backends
+#
+# Prediction (written before the first device run): the row-per-thread gather is L2-bound at page size 1 (ncu,
+# 32K dense: L2 95% busy serving two half-used sectors per 32-byte sector). Lane pairs read whole sectors with the
+# same number of copy steps per thread, so the L2 traffic halves: dense 32K page 1 25.9 -> 17-20 ms (TMA path at
+# page 128: 14.2), dense 128K 633 -> 400-470 ms, sparse 128K 18.5 -> 12-14 ms, corrected 21.2 -> 15-17 ms;
+# page 16 about the same as page 1 (the same gather, fewer distinct pages).
+#
+# Environment: BASE_BIN and NEW_BIN folders with libfpv2_kernel.so and fpv2_hopper_prefill_test
+# [.carry/base, .carry/pairs]; FPV2_COMMIT (recorded by fpv2 bench: the device copy has no git); OUT; logs go to a
+# temporary folder packed into $OUT/gather-pairs-<part>.tgz, summaries to stdout.
+set -u -o pipefail
+# shellcheck source=benchmarks/device_run_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
+device_run_start gather-pairs "${1:-checks}" "${NEW_BIN:-.carry/pairs}"
+BASE_BIN="${BASE_BIN:-.carry/base}"
+RESULTS="$OUT"
+
+summary() {
+  grep "^\[" "$1" | grep -E "sparse |corrected |dense " | sed -E 's/ max\|err.*//; s/.*bf16 causal //; s/over 10 runs//' |
+    cut -c1-120
+}
+
+# B=1 native timings at 32K and 128K (median of 10, keep 0.03): time_b1 BIN PAGE LOG
+time_b1() {
+  timeout 150 "$1/fpv2_hopper_prefill_test" --mode timing --lengths 32768,131072 --repeats 10 --keep 0.03 \
+    --page-size "$2" > "$3" 2>&1
+  echo "$1 page $2: rc=$?"
+  summary "$3"
+}
+
+# The planted pipeline at page size 1 on one backend: bench_page1 L BACKEND NAME
+bench_page1() {
+  with_packages timeout 120 python3 -m fpv2.serving bench -B 1 -L "$1" --page-size 1 --alpha 0.1 --backend "$2" \
+    --no-progress --out "$RESULTS/$3" > "$LOGS/$3.log" 2>&1
+  echo "bench L=$1 page 1 backend $2: rc=$?"
+  grep -E "fpv2-|torch-" "$LOGS/$3.log" | cut -c1-170
+}
+
+if [ "$PART" = checks ]; then
+  TEST="$BIN/fpv2_hopper_prefill_test"
+  timeout 60 "$TEST" --mode small > "$LOGS/small.log" 2>&1
+  echo "small: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small.log")"
+  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  timeout 120 "$SAN" --tool memcheck --error-exitcode 3 "$TEST" --mode small > "$LOGS/memcheck.log" 2>&1
+  echo "memcheck small: rc=$? $(tail -1 "$LOGS/memcheck.log")"
+  timeout 200 "$TEST" --mode correctness > "$LOGS/grid.log" 2>&1
+  echo "grid: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid.log") fail $(grep -c '^\[FAIL' "$LOGS/grid.log")"
+  grep '^\[FAIL' "$LOGS/grid.log" | head -5
+  for page in 1 16; do
+    time_b1 "$BASE_BIN" "$page" "$LOGS/timing-base-page$page-1.log"
+    time_b1 "$BIN" "$page" "$LOGS/timing-pairs-page$page-1.log"
+  done
+elif [ "$PART" = timings ]; then
+  for page in 1 16; do
+    time_b1 "$BIN" "$page" "$LOGS/timing-pairs-page$page-2.log"
+    time_b1 "$BASE_BIN" "$page" "$LOGS/timing-base-page$page-2.log"
+  done
+  for L in 131072 32768; do
+    for backend in hopper triton; do
+      bench_page1 "$L" "$backend" "bench-page1-$L-$backend"
+    done
+  done
+else
+  echo "usage: $0 checks|timings" >&2
+  exit 2
+fi
