@@ -2,7 +2,7 @@
 # PART, BIN, OUT (default fpv2-results/NAME) and LOGS (a temporary folder packed into $OUT/NAME-PART.tgz on exit,
 # also when the call's time limit stops the script part-way); with_packages runs a command with the packages'
 # sources and the library in $BIN (nothing of the project is installed on the device); bench_row runs one fpv2 bench
-# row of the planted pipeline into $RESULTS (set by the script).
+# row of the planted pipeline into $RESULTS (set by the script); summary reads a native timing log.
 device_run_start() {
   ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
   cd "$ROOT" || exit 1
@@ -20,10 +20,19 @@ with_packages() {
   PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
 }
 
-# fpv2 bench of the planted pipeline (alpha 0.1, page 128) into $RESULTS/NAME, log in $LOGS: bench_row B L NAME LIMIT
+# fpv2 bench of the planted pipeline (alpha 0.1, page 128) into $RESULTS/NAME, log in $LOGS; further bench options
+# follow LIMIT and win over these (the last --page-size counts): bench_row B L NAME LIMIT [OPTION...]
 bench_row() {
-  with_packages timeout "$4" python3 -m fpv2.serving bench -B "$1" -L "$2" --page-size 128 --alpha 0.1 \
-    --no-progress --out "$RESULTS/$3" > "$LOGS/$3.log" 2>&1
-  echo "bench B=$1 L=$2: rc=$?"
-  grep -E "fpv2-|torch-" "$LOGS/$3.log" | cut -c1-170
+  local batch="$1" length="$2" name="$3" limit="$4"
+  shift 4
+  with_packages timeout "$limit" python3 -m fpv2.serving bench -B "$batch" -L "$length" --page-size 128 --alpha 0.1 \
+    --no-progress --out "$RESULTS/$name" "$@" > "$LOGS/$name.log" 2>&1
+  echo "bench B=$batch L=$length $*: rc=$?"
+  grep -E "fpv2-|torch-" "$LOGS/$name.log" | cut -c1-170
+}
+
+# The dense / sparse / corrected lines of a fpv2_hopper_prefill_test timing log: summary LOG
+summary() {
+  grep "^\[" "$1" | grep -E "sparse |corrected |dense " | sed -E 's/ max\|err.*//; s/.*bf16 causal //; s/over 10 runs//' |
+    cut -c1-120
 }

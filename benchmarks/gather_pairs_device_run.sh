@@ -18,9 +18,9 @@
 # page 128: 14.2), dense 128K 633 -> 400-470 ms, sparse 128K 18.5 -> 12-14 ms, corrected 21.2 -> 15-17 ms;
 # page 16 about the same as page 1 (the same gather, fewer distinct pages).
 #
-# Environment: BASE_BIN and NEW_BIN folders with libfpv2_kernel.so and fpv2_hopper_prefill_test
-# [.carry/base, .carry/pairs]; FPV2_COMMIT (recorded by fpv2 bench: the device copy has no git); OUT; logs go to a
-# temporary folder packed into $OUT/gather-pairs-<part>.tgz, summaries to stdout.
+# Environment: BASE_BIN and NEW_BIN folders with fpv2_hopper_prefill_test (NEW_BIN also with libfpv2_kernel.so for
+# the timings part's pipeline rows) [.carry/base, .carry/pairs]; FPV2_COMMIT (recorded by fpv2 bench: the device
+# copy has no git); OUT; logs go to a temporary folder packed into $OUT/gather-pairs-<part>.tgz, summaries to stdout.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
@@ -28,25 +28,12 @@ device_run_start gather-pairs "${1:-checks}" "${NEW_BIN:-.carry/pairs}"
 BASE_BIN="${BASE_BIN:-.carry/base}"
 RESULTS="$OUT"
 
-summary() {
-  grep "^\[" "$1" | grep -E "sparse |corrected |dense " | sed -E 's/ max\|err.*//; s/.*bf16 causal //; s/over 10 runs//' |
-    cut -c1-120
-}
-
 # B=1 native timings at 32K and 128K (median of 10, keep 0.03): time_b1 BIN PAGE LOG
 time_b1() {
   timeout 150 "$1/fpv2_hopper_prefill_test" --mode timing --lengths 32768,131072 --repeats 10 --keep 0.03 \
     --page-size "$2" > "$3" 2>&1
   echo "$1 page $2: rc=$?"
   summary "$3"
-}
-
-# The planted pipeline at page size 1 on one backend: bench_page1 L BACKEND NAME
-bench_page1() {
-  with_packages timeout 120 python3 -m fpv2.serving bench -B 1 -L "$1" --page-size 1 --alpha 0.1 --backend "$2" \
-    --no-progress --out "$RESULTS/$3" > "$LOGS/$3.log" 2>&1
-  echo "bench L=$1 page 1 backend $2: rc=$?"
-  grep -E "fpv2-|torch-" "$LOGS/$3.log" | cut -c1-170
 }
 
 if [ "$PART" = checks ]; then
@@ -70,7 +57,7 @@ elif [ "$PART" = timings ]; then
   done
   for L in 131072 32768; do
     for backend in hopper triton; do
-      bench_page1 "$L" "$backend" "bench-page1-$L-$backend"
+      bench_row 1 "$L" "bench-page1-$L-$backend" 120 --page-size 1 --backend "$backend"
     done
   done
 else

@@ -52,11 +52,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start work-order "${1:-checks}" "${WO_BIN:-build/kernel}"
 TEST="$BIN/fpv2_hopper_prefill_test"
 
-summary() {
-  grep "^\[" "$1" | grep -E "sparse |corrected |dense " | sed -E 's/ max\|err.*//; s/.*bf16 causal //; s/over 10 runs//' |
-    cut -c1-120
-}
-
 # B=1 native timings at 32K and 128K (median of 10): time_b1 KEEP PERSISTENT LOG
 time_b1() {
   FPV2_HOPPER_PERSISTENT=$2 timeout 100 "$TEST" --mode timing --lengths 32768,131072 --repeats 10 --keep "$1" \
