@@ -8,9 +8,13 @@
 #                                                  new library, then B=1 native timings (32K and 128K, keep 0.03,
 #                                                  dense / sparse / corrected) at page sizes 1 and 16, base
 #                                                  library then new
-#   benchmarks/gather_pairs_device_run.sh timings  the same timings again in the other order (new, then base), and
-#                                                  the planted pipeline (fpv2 bench, page size 1) at 32K and 128K
-#                                                  on the new library with the Hopper and the Triton backends
+#   benchmarks/gather_pairs_device_run.sh timings  the same timings again in the other order (new, then base; with
+#                                                  a base library only), the planted pipeline (fpv2 bench, page
+#                                                  size 1) at 32K and 128K on the new library with the Hopper and
+#                                                  the Triton backends, and the fallback backend's tests
+#   benchmarks/gather_pairs_device_run.sh ab       base / new / new / base native timings of the TMA path (page 128,
+#                                                  d=128 and 256, 32K and 128K), the 32K page-1 pipeline rows again,
+#                                                  and the page-1 routing curve on the Hopper backend
 #
 # Prediction (written before the first device run): the row-per-thread gather is L2-bound at page size 1 (ncu,
 # 32K dense: L2 95% busy serving two half-used sectors per 32-byte sector). Lane pairs read whole sectors with the
@@ -18,7 +22,8 @@
 # page 128: 14.2), dense 128K 633 -> 400-470 ms, sparse 128K 18.5 -> 12-14 ms, corrected 21.2 -> 15-17 ms;
 # page 16 about the same as page 1 (the same gather, fewer distinct pages).
 #
-# Environment: BASE_BIN and NEW_BIN folders with fpv2_hopper_prefill_test (NEW_BIN also with libfpv2_kernel.so for
+# Environment: BASE_BIN (optional: without it only the new library is timed) and NEW_BIN folders with
+# fpv2_hopper_prefill_test (NEW_BIN also with libfpv2_kernel.so for
 # the timings part's pipeline rows) [.carry/base, .carry/pairs]; FPV2_COMMIT (recorded by fpv2 bench: the device
 # copy has no git); OUT; logs go to a temporary folder packed into $OUT/gather-pairs-<part>.tgz, summaries to stdout.
 set -u -o pipefail
@@ -28,8 +33,10 @@ device_run_start gather-pairs "${1:-checks}" "${NEW_BIN:-.carry/pairs}"
 BASE_BIN="${BASE_BIN:-.carry/base}"
 RESULTS="$OUT"
 
-# B=1 native timings at 32K and 128K (median of 10, keep 0.03): time_b1 BIN PAGE LOG
+# B=1 native timings at 32K and 128K (median of 10, keep 0.03): time_b1 BIN PAGE LOG; a BIN without the test
+# program (no base library carried) is skipped
 time_b1() {
+  [ -x "$1/fpv2_hopper_prefill_test" ] || { echo "$1: no fpv2_hopper_prefill_test, skipped"; return 0; }
   timeout 150 "$1/fpv2_hopper_prefill_test" --mode timing --lengths 32768,131072 --repeats 10 --keep 0.03 \
     --page-size "$2" > "$3" 2>&1
   echo "$1 page $2: rc=$?"
@@ -51,16 +58,45 @@ if [ "$PART" = checks ]; then
     time_b1 "$BIN" "$page" "$LOGS/timing-pairs-page$page-1.log"
   done
 elif [ "$PART" = timings ]; then
-  for page in 1 16; do
-    time_b1 "$BIN" "$page" "$LOGS/timing-pairs-page$page-2.log"
-    time_b1 "$BASE_BIN" "$page" "$LOGS/timing-base-page$page-2.log"
-  done
+  if [ -x "$BASE_BIN/fpv2_hopper_prefill_test" ]; then  # the second order of the A/B
+    for page in 1 16; do
+      time_b1 "$BIN" "$page" "$LOGS/timing-pairs-page$page-2.log"
+      time_b1 "$BASE_BIN" "$page" "$LOGS/timing-base-page$page-2.log"
+    done
+  fi
   for L in 131072 32768; do
     for backend in hopper triton; do
       bench_row 1 "$L" "bench-page1-$L-$backend" 120 --page-size 1 --backend "$backend"
     done
   done
+  # auto on this GPU: the Hopper backend serves small pages now (test_fallback_backend.py, GPU branch).
+  with_packages timeout 120 python3 -m pytest -p no:cacheprovider -q packages/fpv2-serving/tests/test_fallback_backend.py \
+    > "$LOGS/pytest-fallback.log" 2>&1
+  echo "pytest fallback: rc=$? $(tail -1 "$LOGS/pytest-fallback.log")"
+elif [ "$PART" = ab ]; then
+  # The removal of the other gather layouts changed every instantiation's code: the TMA path at d=128 and d=256
+  # (page 128, whose d=256 overlapped consumers went 56 -> 64 B of stack), base / new / new / base.
+  round=0
+  for name in base new new base; do
+    round=$((round + 1))
+    bin=$([ "$name" = new ] && echo "$BIN" || echo "$BASE_BIN")
+    for d in 128 256; do
+      timeout 150 "$bin/fpv2_hopper_prefill_test" --mode timing --lengths 32768,131072 --repeats 10 --keep 0.03 \
+        --page-size 128 --head-dim "$d" > "$LOGS/timing-$name-d$d-page128-$round.log" 2>&1
+      echo "$name d=$d page 128 (step $round): rc=$?"
+      summary "$LOGS/timing-$name-d$d-page128-$round.log"
+    done
+  done
+  for backend in hopper triton; do
+    bench_row 1 32768 "bench-page1-32768-$backend" 120 --page-size 1 --backend "$backend"
+  done
+  # The routing curve at page size 1 on the backend auto now runs there.
+  with_packages timeout 200 python3 benchmarks/routing_switch_point.py --backend hopper --page-sizes 1 \
+    --out "$RESULTS/routing-page1-hopper" > "$LOGS/routing.log" 2>&1
+  echo "routing: rc=$?"
+  tail -5 "$LOGS/routing.log"
+  tar czf "$RESULTS/ab-results.tgz" -C "$RESULTS" bench-page1-32768-hopper bench-page1-32768-triton routing-page1-hopper
 else
-  echo "usage: $0 checks|timings" >&2
+  echo "usage: $0 checks|timings|ab" >&2
   exit 2
 fi

@@ -32,8 +32,6 @@
 #   HOPPER_KEEP          probability of keeping a block below the diagonal band in the sparse timing [0.03]
 #   HOPPER_PAGES         page sizes timed, space separated ["128 1": the TMA path and the cp.async gather]
 #   HOPPER_HEAD_DIMS     built head dims other than 128 to time at page size 128, space separated [""]
-#   HOPPER_ALT_GATHER    also check and time these FPV2_HOPPER_GATHER layouts at page size 1, space separated
-#                        ["warp shared"; empty: skip]
 #   HOPPER_PINGPONG      1: also check and time the FPV2_HOPPER_PINGPONG=1 schedule at page size 128 [1]
 #   HOPPER_PERSISTENT    1: also check and time FPV2_HOPPER_PERSISTENT=1 (persistent CTAs) at page size 128 [1]
 #   HOPPER_OVERLAP       1: also check and time FPV2_HOPPER_OVERLAP=0 (the consumers without the default's
@@ -59,7 +57,6 @@ REPEATS="${HOPPER_REPEATS:-10}"
 KEEP="${HOPPER_KEEP:-0.03}"
 PAGES="${HOPPER_PAGES:-128 1}"
 HEAD_DIMS="${HOPPER_HEAD_DIMS:-}"
-ALT_GATHER="${HOPPER_ALT_GATHER-warp shared}"
 PINGPONG="${HOPPER_PINGPONG:-1}"
 PERSISTENT="${HOPPER_PERSISTENT:-1}"
 OVERLAP="${HOPPER_OVERLAP:-1}"
@@ -169,14 +166,11 @@ sanitize() {
     }
     "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small --seed "$SEED" ||
         return $?
-    if [[ "$PINGPONG" == 1 || "$PERSISTENT" == 1 || -n "$ALT_GATHER" ]]; then
-        local layout
-        for layout in ${ALT_GATHER:-row}; do  # one memcheck per gather layout, the switches on in each
-            echo "--- memcheck of the opt-in variants (pingpong=$PINGPONG persistent=$PERSISTENT gather=$layout)"
-            env FPV2_HOPPER_PINGPONG="$PINGPONG" FPV2_HOPPER_PERSISTENT="$PERSISTENT" FPV2_HOPPER_GATHER="$layout" \
-                "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small \
-                --seed "$SEED" || return $?
-        done
+    if [[ "$PINGPONG" == 1 || "$PERSISTENT" == 1 ]]; then
+        echo "--- memcheck of the opt-in variants (pingpong=$PINGPONG persistent=$PERSISTENT)"
+        env FPV2_HOPPER_PINGPONG="$PINGPONG" FPV2_HOPPER_PERSISTENT="$PERSISTENT" \
+            "$sanitizer" --tool memcheck --error-exitcode 3 "$BUILD/fpv2_hopper_prefill_test" --mode small \
+            --seed "$SEED" || return $?
     fi
     if [[ "$OVERLAP" == 1 ]]; then  # its own instantiation: memcheck it on its own
         echo "--- memcheck of the consumers without overlap (FPV2_HOPPER_OVERLAP=0)"
@@ -244,15 +238,6 @@ main() {
                     --keep "$KEEP" --page-size "$page" --seed "$SEED"
             done
         fi
-        local layout
-        for layout in $ALT_GATHER; do
-            # An alternative gather layout (kernel variant selected by FPV2_HOPPER_GATHER): grid, then page 1.
-            run_step "correctness gather=$layout" 150 "$OUT/correctness.log" env FPV2_HOPPER_GATHER="$layout" \
-                "$BUILD/fpv2_hopper_prefill_test" --mode correctness --seed "$SEED"
-            run_step "timing page=1 gather=$layout" 120 "$OUT/timing.log" env FPV2_HOPPER_GATHER="$layout" \
-                "$BUILD/fpv2_hopper_prefill_test" --mode timing --lengths "$LENGTHS" --repeats "$REPEATS" \
-                --keep "$KEEP" --page-size 1 --seed "$SEED"
-        done
         grep "^RESULT " "$OUT/timing.log" | sed 's/^RESULT //' >"$OUT/results.jsonl"
         run_step sanitizer 150 "$OUT/sanitizer.log" sanitize
     fi
@@ -270,6 +255,6 @@ main() {
 }
 
 export -f configure_and_build ptxas_and_sass sanitize find_tool
-export ROOT OUT BUILD JOBS SEED PINGPONG PERSISTENT OVERLAP ALT_GATHER
+export ROOT OUT BUILD JOBS SEED PINGPONG PERSISTENT OVERLAP
 main 2>&1 | tee "$OUT/hopper_check.log"
 exit "${PIPESTATUS[0]}"

@@ -67,16 +67,19 @@ VARIANT_BUDGETS = {
 #: 212 / 304 B), overlapped 192 B, 292 / 724 B (272 B, 488 / 892 B).
 #: The persistent overlapped consumers fed by the dynamic tile queue (fourth flag, opt-in, same session):
 #: d=128 8 B stack, 4 / 4 B; d=256 200 B, 288 / 720 B (about the static snake order's d=256 build).
+#: The lane-pair gather as the only gather layout (2026-12-03; the row, shared-rows and warp layouts removed, the
+#: producer's lane rows re-read from %laneid at each use): every d=64 instantiation 0 / 0; d=256 one CTA per
+#: tile 0 / 0 (8 B, 4 / 4 B before), split 56 B, 100 / 104 B (96 B, 320 / 352 B), overlapped 64 B, 60 / 68 B
+#: (56 B, 56 / 64 B); d=128 split 32 B, 52 / 56 B (64 B, 104 / 108 B); the others as they were.
 BUDGET_EXCEPTIONS = {
     (128, "overlap"): (32, 40),
     (128, "overlap-e4m3"): (80, 100),
-    (256, "default"): (8, 4),
-    (256, "overlap"): (56, 64),
+    (256, "overlap"): (64, 68),
     (256, "persistent"): (40, 80),
     (256, "persistent-overlap"): (192, 724),
     (256, "persistent-dynamic"): (200, 720),
-    (128, "split"): (64, 108),
-    (256, "split"): (96, 352),
+    (128, "split"): (32, 56),
+    (256, "split"): (56, 104),
 }
 BUDGETS = {
     (head_dim, variant): BUDGET_EXCEPTIONS.get((head_dim, variant), budget)

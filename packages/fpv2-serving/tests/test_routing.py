@@ -378,7 +378,8 @@ def test_shipped_h200_table_is_used_on_that_gpu_only(monkeypatch):
     table = RoutingTable.from_dict(routing_measured.H200_TABLE)
     key = RoutingKey(32, 8, 128, "bf16", 1, 0.1)
     curve = table.curve(key)
-    assert curve is not None and 10_000 < curve.switch_kv_len() < 10_200  # measured: 10,069
+    # Page size 1 on the Hopper kernel's lane-pair gather (2026-12-03; 10,069 on the Triton backends before).
+    assert curve is not None and 8_850 < curve.switch_kv_len() < 9_020  # measured: 8,934
     assert not curve.prefers_sparse(8192) and curve.prefers_sparse(16384)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")

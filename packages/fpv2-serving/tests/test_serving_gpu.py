@@ -44,8 +44,8 @@ def test_bench_on_cuda_writes_records_with_baselines(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path)]) == 0, capsys.readouterr().err
     summary = json.loads((tmp_path / "summary.json").read_text())
     impls = {r["impl"] for r in summary}
-    # auto chooses per call (on an H200 the Hopper kernel serves page sizes that are multiples of 128; the
-    # bench's page size 1 runs on Triton): the dense and sparse rows name the backend that ran, the same one.
+    # auto chooses per call (on an H200 the Hopper kernel, page size 1 included; elsewhere Triton): the dense
+    # and sparse rows name the backend that ran, the same one.
     ran = {impl.split("/", 1)[1] for impl in impls if impl.startswith(("fpv2-dense/", "fpv2-sparse/"))}
     assert len(ran) == 1 and ran <= {"hopper", "triton"}, impls
     backend = ran.pop()

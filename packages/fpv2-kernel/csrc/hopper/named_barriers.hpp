@@ -16,16 +16,9 @@ enum class ConsumerBarrier : uint32_t {
   kPendingShiftsBuilt = 7,        // the producer's idle warps filled the correction's table (TMA path)
 };
 
-// Named barriers among the producer warpgroup's threads (cp.async gather), after the consumer ones.
-enum class ProducerBarrier : uint32_t {
-  kGatherRows = 4,  // every producer thread published its token's cache row for the tile
-};
-
 __device__ __forceinline__ constexpr uint32_t barrier_id(ConsumerBarrier b) { return static_cast<uint32_t>(b); }
-__device__ __forceinline__ constexpr uint32_t barrier_id(ProducerBarrier b) { return static_cast<uint32_t>(b); }
 
-static_assert(static_cast<uint32_t>(ConsumerBarrier::kPendingShiftsBuilt) <= 7 &&
-                  static_cast<uint32_t>(ProducerBarrier::kGatherRows) <= 7,
+static_assert(static_cast<uint32_t>(ConsumerBarrier::kPendingShiftsBuilt) <= 7,
               "CUTLASS reserves 8 of the 16 hardware barriers: ids 0..7 are left");
 
 }  // namespace fpv2::hopper

@@ -51,8 +51,6 @@
 #include "hopper/consumer_mainloop.hpp"
 #include "hopper/prefill_params.hpp"
 #include "hopper/kv_gather_producer.hpp"
-#include "hopper/kv_gather_shared_rows_producer.hpp"
-#include "hopper/kv_gather_warp_producer.hpp"
 #include "hopper/kv_pipeline.hpp"
 #include "hopper/kv_producer.hpp"
 #include "hopper/persistent_order.hpp"
@@ -152,18 +150,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warp < Traits::kThreadsPerWarpGroup / 32) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     auto state = Pipeline::producer_start();
-    int round = 0;
     auto produce = [&](Geometry const& tile) {
       if constexpr (kPersistent) {  // the launcher sends only the TMA path here (fewer producer spills)
         if (warp == 0 && cute::elect_one_sync()) KvProducer<Traits>::run(params, tile, smem, state);
         return;
       }
-      if (params.gather == 1) {
-        KvGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state);
-      } else if (params.gather == 2) {
-        KvSharedRowsGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state, round);
-      } else if (params.gather == 3) {
-        KvWarpGatherProducer<Traits>::run(params, tile, smem, int(threadIdx.x), state);
+      if (params.gather) {
+        KvGatherProducer<Traits>::run(params, tile, smem, state);
       } else if (warp == 0) {
         if (cute::elect_one_sync()) KvProducer<Traits>::run(params, tile, smem, state);
       } else if (kOverlap && params.has_correction) {

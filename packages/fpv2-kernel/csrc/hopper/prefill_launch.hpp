@@ -180,7 +180,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
       plan.block_lengths,
       1.0f / plan.softmax_scale,
       has_correction ? 1 : 0,
-      plan.page_size % Traits::kBlockN != 0 ? plan.gather_layout : 0,
+      plan.page_size % Traits::kBlockN != 0 ? 1 : 0,
       plan.page_size,
       static_cast<Element const*>(plan.k_cache),
       static_cast<Element const*>(plan.v_cache),

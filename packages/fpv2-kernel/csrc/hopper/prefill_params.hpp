@@ -93,7 +93,7 @@ struct PrefillParams {
 
   // cp.async gather (page_size % kBlockN != 0): the producer warpgroup reads the cache and the pooled
   // tensors through these pointers instead of the TMA descriptors.
-  int32_t gather;  // 0: TMA; 1: one token row per producer thread; 2: shared rows + coalesced copies; 3: warp rows
+  int32_t gather;  // 0: TMA; 1: the lane-pair cp.async gather (kv_gather_producer.hpp)
   int32_t page_size;
   Element const* k_cache;
   Element const* v_cache;

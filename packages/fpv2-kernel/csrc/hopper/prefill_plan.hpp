@@ -81,9 +81,6 @@ struct PrefillPlan {
   const int32_t* e4m3_offsets;  // (B+1,)
   const float* e4m3_scales;     // (B, Hkv, 2)
 
-  // Gather layout for pages that are not a multiple of 128 (FPV2_HOPPER_GATHER): 1 = one token row per
-  // producer thread (default), 2 = shared rows + coalesced copies, 3 = warp rows (all measured: NOTES.md).
-  int32_t gather_layout;
   int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (measured, not faster)
   // FPV2_HOPPER_PERSISTENT: 0 (default), 1 = persistent CTAs in the static snake order, 2 ("dynamic") = the
   // tile queue of tile_queue.hpp (needs its counter in the workspace); both measured: NOTES.md.

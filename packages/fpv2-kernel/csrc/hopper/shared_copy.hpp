@@ -18,6 +18,21 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_address, void co
                : "memory");
 }
 
+// The lane index and the warp's index within its warpgroup, read with volatile instructions so that the
+// compiler re-reads them at each use instead of keeping them (and what is derived from them) live in
+// registers: the gather producer runs in 24 registers.
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return lane;
+}
+
+__device__ __forceinline__ int warp_in_warpgroup() {
+  int thread;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
+  return (thread / 32) % 4;
+}
+
 // Element offset of `coord` in a buffer with the swizzled shared-memory layout SmemLayout (a GMMA swizzle
 // atom tiled over the buffer): the swizzle acts on address bits, so the offset is exact for buffers whose
 // base is aligned to the swizzle's period (1024 bytes for the 128-byte swizzle: PrefillSharedStorage). The

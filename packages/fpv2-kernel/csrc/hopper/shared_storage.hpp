@@ -27,7 +27,6 @@ struct PrefillSharedStorage {
   KvPipelineStorage<Traits::kStages> pipeline_k;
   KvPipelineStorage<Traits::kStages> pipeline_v;
   PendingShiftsFor<Traits> pending_shifts;  // mean correction only
-  int32_t gather_rows[2][Traits::kBlockN];  // shared-rows gather only: cache row of each token of a tile
   TileQueueStorage tile_queue;              // dynamic persistent scheduler only
 };
 

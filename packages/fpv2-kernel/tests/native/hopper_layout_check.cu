@@ -10,9 +10,9 @@
 //      (the 16-byte stores' transpose);
 //   3. 16-byte chunks (8 bf16) of Q and K rows and of V^T columns stay contiguous and 16-byte aligned in the
 //      swizzled shared-memory layouts (cp.async of Q, the K/V gather and the V tail clearing write such chunks),
-//      the 32-bit offsets of smem_offset() (the row gather's destinations) are the addresses of CuTe's
+//      the 32-bit offsets of smem_offset() (the lane-pair gather's destinations) are the addresses of CuTe's
 //      swizzled pointers into a 1024-byte aligned buffer, in every stage, and chunk k of a 64-element
-//      segment is chunk 0 XOR 8 k elements (the row gather's per-chunk addresses);
+//      segment is chunk 0 XOR 8 k elements (the gather's per-chunk addresses);
 //   4. TileGeometry's block range against brute force over every row and column: n_block_max is exact, no
 //      block below n_block_masked hides a column from any row, and the tail-block test matches; the
 //      correction's eligible index blocks (n_pooled_eligible) are fully visible, for 128-token tiles and for
@@ -263,7 +263,7 @@ void check_smem_chunks() {
                    return long(fpv2::hopper::smem_offset<LayoutVt>(col, kv, stage));
                  },
                  Traits::kBlockN, Traits::kHeadDim);
-    // The row gather (kv_gather_producer.hpp) addresses chunk k of a 64-element segment as chunk 0 XOR 16 k
+    // The lane-pair gather (kv_gather_producer.hpp) addresses chunk k of a 64-element segment as chunk 0 XOR 16 k
     // bytes (8 k elements).
     for (int row = 0; row < Traits::kBlockN; ++row) {
       for (int col = 0; col < Traits::kHeadDim; col += 8) {

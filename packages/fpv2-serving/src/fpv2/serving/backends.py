@@ -255,13 +255,13 @@ class HopperBackend:
     ) -> str | None:
         """Host-side check of the calls ``auto`` sends to the kernel (others go to the fallback backend).
 
-        The kernel itself also runs pages that are not a multiple of 128 (a
-        cp.async gather, when named explicitly); ``auto`` does not send them
-        there: measured on the H200, the gather is slower than the Triton
-        kernel (32K dense: 25.9 against 19.8 ms). Caches the kernel cannot
-        read as one ``(num_pages * page_size, Hkv * d)`` row-major matrix (for
-        example the head-major K/V of a transformers layer) go to the fallback
-        too. The library refuses what it cannot run at all (dtype, head dim).
+        Every page size is served: TMA for multiples of the 128-token tile,
+        the lane-pair cp.async gather otherwise (page size 1 included), which
+        measured faster than the Triton kernel on the H200 (2026-12-03, see
+        ``benchmarks/NOTES.md``). Caches the kernel cannot read as one
+        ``(num_pages * page_size, Hkv * d)`` row-major matrix (for example the
+        head-major K/V of a transformers layer) go to the fallback. The
+        library refuses what it cannot run at all (dtype, head dim).
 
         Args:
             q: the queries.
@@ -283,13 +283,6 @@ class HopperBackend:
             return (
                 f"the loaded Hopper kernel is built for head dims {', '.join(map(str, built)) or 'none'}; "
                 f"got {q.shape[-1]}"
-            )
-        if batch.page_size % self.kv_tile:
-            # Served by the cp.async gather, which is not yet faster than the Triton path: auto keeps Triton.
-            return (
-                f"page_size={batch.page_size}: auto uses the Hopper kernel's TMA path only (page_size % 128 == 0); "
-                "its cp.async gather for other pages is slower than the Triton kernel on the H200 "
-                "(32K dense: 25.9 vs 19.8 ms)"
             )
         layout = self._cache_layout_problem(k_cache)
         if layout is not None:

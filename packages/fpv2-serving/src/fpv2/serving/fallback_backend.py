@@ -2,9 +2,9 @@
 
 ``resolve_backend("auto")`` on an sm_90 GPU returns ``FallbackBackend(hopper,
 triton)``: the Hopper kernel serves bf16, the head dims the library is built
-for (64 and 128), page sizes that are multiples of 128 and 128-token blocks;
-every other call (page size 1 or 16, FP8, other head dims) runs on the Triton
-kernel. The choice is a host-side
+for (64, 128 and 256), every page size (TMA or its cp.async gather), caches it
+can read as rows, and 128-token blocks; every other call (FP8, other head dims,
+head-major caches) runs on the Triton kernel. The choice is a host-side
 check of shapes and dtypes, made per call, and recorded in ``last_choice`` so
 that benchmarks report which kernel ran. A backend named explicitly is never
 wrapped: ``backend="hopper"`` refuses what it cannot serve.

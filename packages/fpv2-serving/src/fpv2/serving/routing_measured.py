@@ -5,10 +5,11 @@ wrote on the lent H200: planted workload, B=1, no prefix, Hq=32, Hkv=8, d=128,
 bf16, ``alpha = 0.1``, the sparse pipeline with the correction against the
 backend's dense mode, medians of 10 CUDA-event runs.
 
-- page size 1 (2026-11-29, ``benchmarks/results/2026-11-29-h200-serving/``),
-  the Triton backends: sparse wins from about 10,069 KV tokens on (1.79x at
-  16K, 4.48x at 32K); at 8K it is 1.28x slower than dense, so the default
-  rule's ``min_sparse_kv_len = 8192`` routes 8K..10K prompts to the slower path;
+- page size 1 (2026-12-03, ``benchmarks/results/2026-12-03-h200-gather-pairs-only/routing-page1-hopper/``),
+  the Hopper kernel's lane-pair gather, which ``auto`` runs at page size 1 since
+  then: sparse wins from about 8,934 KV tokens on (2.38x at 16K, 5.72x at 32K);
+  at 8K it is 1.13x slower than dense (on the Triton backends of 2026-11-29 the
+  switch was at 10,069 tokens, 4.48x at 32K);
 - page size 128 (2026-12-01, ``benchmarks/results/2026-12-01-h200-serving-gpu/``),
   the Hopper kernel: sparse wins from about 9,219 KV tokens on (1.74x at 16K,
   5.59x at 32K); at 8K it is 1.12x slower than dense.
@@ -28,30 +29,30 @@ from .routing import RoutingTable
 H200_TABLE: dict[str, object] = {
     "schema": "fpv2-routing/1",
     "meta": {
-        "created": "2026-11-29T22:05:44+00:00",
+        "created": "2026-12-03T13:43:08+00:00",
         "gpu": "NVIDIA H200",
-        "source": "benchmarks/results/2026-11-29-h200-serving/routing-table.json",
+        "source": "benchmarks/results/2026-12-03-h200-gather-pairs-only/routing-page1-hopper/routing-table.json "
+        "(page size 1) and benchmarks/results/2026-12-01-h200-serving-gpu/ (page size 128)",
     },
     "curves": [
         {
             "key": {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "page_size": 1, "alpha": 0.1},
             "points": [
-                {"kv_len": 1024, "sparse_ms": 1.7825, "dense_ms": 0.5711, "density": 0.9870},
-                {"kv_len": 2048, "sparse_ms": 1.6241, "dense_ms": 0.5792, "density": 0.8398},
-                {"kv_len": 4096, "sparse_ms": 1.8441, "dense_ms": 0.8628, "density": 0.6564},
-                {"kv_len": 8192, "sparse_ms": 2.7016, "dense_ms": 2.1111, "density": 0.4896},
-                {"kv_len": 16384, "sparse_ms": 3.4111, "dense_ms": 6.1043, "density": 0.1897},
-                {"kv_len": 32768, "sparse_ms": 4.7552, "dense_ms": 21.3186, "density": 0.0946},
+                {"kv_len": 2048, "sparse_ms": 0.7777, "dense_ms": 0.2009, "density": 0.8398},
+                {"kv_len": 4096, "sparse_ms": 0.9774, "dense_ms": 0.4171, "density": 0.6564},
+                {"kv_len": 8192, "sparse_ms": 1.4648, "dense_ms": 1.2937, "density": 0.4896},
+                {"kv_len": 16384, "sparse_ms": 1.9513, "dense_ms": 4.6528, "density": 0.1897},
+                {"kv_len": 32768, "sparse_ms": 3.2600, "dense_ms": 18.6594, "density": 0.0946},
             ],
             "meta": {
                 "gpu": "NVIDIA H200",
-                "backend": "triton",
+                "backend": "hopper",
                 "dense_path": "kernel",
                 "strategy": "max_threshold",
                 "correction": True,
                 "workload": "planted",
                 "repeats": 10,
-                "commit": "e4ec676 (with uncommitted kernel and index work of the same hour)",
+                "commit": "fpv2-kernel 0.1.1 (the lane-pair gather), 2026-12-03",
             },
         },
         {
