@@ -15,6 +15,9 @@
 #   benchmarks/gather_pairs_device_run.sh ab       base / new / new / base native timings of the TMA path (page 128,
 #                                                  d=128 and 256, 32K and 128K), the 32K page-1 pipeline rows again,
 #                                                  and the page-1 routing curve on the Hopper backend
+#   benchmarks/gather_pairs_device_run.sh producer40  base (32 producer registers) / 40 / 40 / base native timings
+#                                                  at page 1 and 128, then ncu of the base's page-1 32K dense and
+#                                                  corrected launches (scripts/profile_hopper.sh)
 #
 # Prediction (written before the first device run): the row-per-thread gather is L2-bound at page size 1 (ncu,
 # 32K dense: L2 95% busy serving two half-used sectors per 32-byte sector). Lane pairs read whole sectors with the
@@ -96,7 +99,27 @@ elif [ "$PART" = ab ]; then
   echo "routing: rc=$?"
   tail -5 "$LOGS/routing.log"
   tar czf "$RESULTS/ab-results.tgz" -C "$RESULTS" bench-page1-32768-hopper bench-page1-32768-triton routing-page1-hopper
+elif [ "$PART" = producer40 ]; then
+  # The producer warpgroup at 40 registers instead of 32 (d <= 128; 40 + 2 x 232 = 504, the launch allocation):
+  # base (BASE_BIN, 32) / 40 (BIN) / 40 / base at page 1 and page 128, then ncu of the base's 32K page-1 dense
+  # and corrected launches (scripts/profile_hopper.sh: stall reasons, hottest SASS).
+  round=0
+  for name in base r40 r40 base; do
+    round=$((round + 1))
+    bin=$([ "$name" = r40 ] && echo "$BIN" || echo "$BASE_BIN")
+    for page in 1 128; do
+      time_b1 "$bin" "$page" "$LOGS/timing-$name-page$page-$round.log"
+    done
+  done
+  OUT="$LOGS/profile" PROFILE_BINARY="$BASE_BIN/fpv2_hopper_prefill_test" PROFILE_PAGE_SIZE=1 \
+    PROFILE_LAUNCHES="1 5" timeout 300 bash scripts/profile_hopper.sh > "$LOGS/profile.log" 2>&1
+  echo "profile: rc=$?"
+  grep -E "^===|L2|Throughput|Stall|stall" "$LOGS/profile.log" | head -30
+  for f in "$LOGS"/profile/ncu-*.txt; do
+    echo "--- $f"
+    grep -E "Duration|Memory Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|DRAM Throughput|Compute \(SM\)|Issued Ipc|Warp Cycles Per Issued" "$f" | head -12
+  done
 else
-  echo "usage: $0 checks|timings|ab" >&2
+  echo "usage: $0 checks|timings|ab|producer40" >&2
   exit 2
 fi

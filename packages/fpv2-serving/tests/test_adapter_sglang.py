@@ -544,7 +544,9 @@ def test_forward_extend_dense_equals_references_and_writes_kv(page_size, hnd, mo
         for lid, layer in enumerate(sc.layers):
             q2d = sc.q[lid].reshape(480, -1)
             theirs = native.forward_extend(q2d, None, None, layer, fb, save_kv_cache=False)
-            torch.testing.assert_close(outs[lid], theirs, rtol=1e-5, atol=1e-5)
+            # Two fp32 implementations, two summation orders: the tolerance of the reference check above (a
+            # 7.4e-5 difference at 1e-5 was seen once, on the 2-core CI machine under load, 2026-12-03).
+            torch.testing.assert_close(outs[lid], theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_mixed_batch_with_a_decode_row():
