@@ -18,6 +18,9 @@
 #   benchmarks/gather_pairs_device_run.sh producer40  base (32 producer registers) / 40 / 40 / base native timings
 #                                                  at page 1 and 128, then ncu of the base's page-1 32K dense and
 #                                                  corrected launches (scripts/profile_hopper.sh)
+#   benchmarks/gather_pairs_device_run.sh producer-fence  checks of the producer-fenced gather, base / new / new / base
+#                                                  timings at page 1 and 128 (d=256 page 1 once each), and, if
+#                                                  faster, the page-1 pipeline rows and the kernel's GPU tests
 #
 # Prediction (written before the first device run): the row-per-thread gather is L2-bound at page size 1 (ncu,
 # 32K dense: L2 95% busy serving two half-used sectors per 32-byte sector). Lane pairs read whole sectors with the
@@ -119,7 +122,48 @@ elif [ "$PART" = producer40 ]; then
     echo "--- $f"
     grep -E "Duration|Memory Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|DRAM Throughput|Compute \(SM\)|Issued Ipc|Warp Cycles Per Issued" "$f" | head -12
   done
+elif [ "$PART" = producer-fence ]; then
+  # The gather's stages fenced into the async proxy by the producer threads, not the consumers: checks on the
+  # new library, base (BASE_BIN) / new / new / base timings at page 1 and 128, d=256 at page 1 once each; if
+  # the new page-1 dense time is lower, the page-1 pipeline rows on the new library and the kernel's GPU tests.
+  TEST="$BIN/fpv2_hopper_prefill_test"
+  timeout 60 "$TEST" --mode small > "$LOGS/small.log" 2>&1
+  echo "small: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small.log")"
+  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  timeout 120 "$SAN" --tool memcheck --error-exitcode 3 "$TEST" --mode small > "$LOGS/memcheck.log" 2>&1
+  echo "memcheck small: rc=$? $(tail -1 "$LOGS/memcheck.log")"
+  timeout 200 "$TEST" --mode correctness > "$LOGS/grid.log" 2>&1
+  echo "grid: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid.log") fail $(grep -c '^\[FAIL' "$LOGS/grid.log")"
+  grep '^\[FAIL' "$LOGS/grid.log" | head -5
+  round=0
+  for name in base new new base; do
+    round=$((round + 1))
+    bin=$([ "$name" = new ] && echo "$BIN" || echo "$BASE_BIN")
+    for page in 1 128; do
+      time_b1 "$bin" "$page" "$LOGS/timing-$name-page$page-$round.log"
+    done
+  done
+  for name in base new; do
+    bin=$([ "$name" = new ] && echo "$BIN" || echo "$BASE_BIN")
+    timeout 100 "$bin/fpv2_hopper_prefill_test" --mode timing --lengths 32768 --repeats 10 --keep 0.03 \
+      --page-size 1 --head-dim 256 > "$LOGS/timing-$name-d256-page1.log" 2>&1
+    echo "$name d=256 page 1: rc=$?"
+    summary "$LOGS/timing-$name-d256-page1.log"
+  done
+  dense_ms() { grep -m1 "fpv2-hopper-dense" "$1" | sed -E 's/.*median ([0-9.]+) ms.*/\1/'; }
+  if awk -v n="$(dense_ms "$LOGS/timing-new-page1-2.log")" -v b="$(dense_ms "$LOGS/timing-base-page1-1.log")" \
+    'BEGIN { exit !(n < b) }'; then
+    for L in 131072 32768; do
+      bench_row 1 "$L" "bench-page1-$L-hopper" 120 --page-size 1 --backend hopper
+    done
+    tar czf "$RESULTS/bench-results.tgz" -C "$RESULTS" bench-page1-131072-hopper bench-page1-32768-hopper
+    with_packages timeout 300 python3 -m pytest -p no:cacheprovider -q -m "gpu or hopper" packages/fpv2-kernel/tests \
+      > "$LOGS/pytest-kernel-gpu.log" 2>&1
+    echo "kernel GPU tests: rc=$? $(tail -1 "$LOGS/pytest-kernel-gpu.log")"
+  else
+    echo "new page-1 dense not faster: no pipeline rows, no GPU tests"
+  fi
 else
-  echo "usage: $0 checks|timings|ab|producer40" >&2
+  echo "usage: $0 checks|timings|ab|producer40|producer-fence" >&2
   exit 2
 fi
