@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device checks and timings of the lane-pair cp.async gather (csrc/hopper/kv_gather_producer.hpp, 2026-12-02),
-# from the repository root, with libraries and test programs built on the development machine.
+# Device checks and timings of the cp.async gather's lane layouts (csrc/hopper/kv_gather_producer.hpp: lane
+# pairs 2026-12-02, four lanes a row 2026-12-03), from the repository root, with libraries and test programs
+# built on the development machine.
 #
 #   benchmarks/gather_pairs_device_run.sh checks   fpv2_hopper_prefill_test --mode small (plain and under
 #                                                  compute-sanitizer memcheck) and the whole correctness grid
@@ -21,6 +22,9 @@
 #   benchmarks/gather_pairs_device_run.sh producer-fence  checks of the producer-fenced gather, base / new / new / base
 #                                                  timings at page 1 and 128 (d=256 page 1 once each), and, if
 #                                                  faster, the page-1 pipeline rows and the kernel's GPU tests
+#   benchmarks/gather_pairs_device_run.sh quads    four lanes per row against the pairs: grid, base / new page-1 timings
+#   benchmarks/gather_pairs_device_run.sh quads-more  new / base page-1 timings, d=256 page 1 both, memcheck, and the
+#                                                  page-1 pipeline at 128K on the new library
 #
 # Prediction (written before the first device run): the row-per-thread gather is L2-bound at page size 1 (ncu,
 # 32K dense: L2 95% busy serving two half-used sectors per 32-byte sector). Lane pairs read whole sectors with the
@@ -163,7 +167,32 @@ elif [ "$PART" = producer-fence ]; then
   else
     echo "new page-1 dense not faster: no pipeline rows, no GPU tests"
   fi
+elif [ "$PART" = quads ]; then
+  # Four lanes per token row (two sectors a request) against the lane pairs (BASE_BIN): the correctness grid on
+  # the new build, then base / new timings at page 1 (one order only: a short call).
+  timeout 100 "$BIN/fpv2_hopper_prefill_test" --mode correctness > "$LOGS/grid.log" 2>&1
+  echo "grid: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid.log") fail $(grep -c '^\[FAIL' "$LOGS/grid.log")"
+  grep '^\[FAIL' "$LOGS/grid.log" | head -5
+  time_b1 "$BASE_BIN" 1 "$LOGS/timing-base-page1.log"
+  time_b1 "$BIN" 1 "$LOGS/timing-quads-page1.log"
+elif [ "$PART" = quads-more ]; then
+  # The second order (quads, then pairs), d=256 at page 1 both ways, memcheck of the small cases, and the
+  # page-1 pipeline at 128K on the quads library.
+  time_b1 "$BIN" 1 "$LOGS/timing-quads-page1-2.log"
+  time_b1 "$BASE_BIN" 1 "$LOGS/timing-base-page1-2.log"
+  for name in quads base; do
+    bin=$([ "$name" = quads ] && echo "$BIN" || echo "$BASE_BIN")
+    timeout 60 "$bin/fpv2_hopper_prefill_test" --mode timing --lengths 32768 --repeats 10 --keep 0.03 \
+      --page-size 1 --head-dim 256 > "$LOGS/timing-$name-d256-page1.log" 2>&1
+    echo "$name d=256 page 1: rc=$?"
+    summary "$LOGS/timing-$name-d256-page1.log"
+  done
+  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  timeout 60 "$SAN" --tool memcheck --error-exitcode 3 "$BIN/fpv2_hopper_prefill_test" --mode small \
+    > "$LOGS/memcheck.log" 2>&1
+  echo "memcheck small: rc=$? $(tail -1 "$LOGS/memcheck.log")"
+  bench_row 1 131072 bench-page1-131072-hopper 60 --page-size 1 --backend hopper
 else
-  echo "usage: $0 checks|timings|ab|producer40|producer-fence" >&2
+  echo "usage: $0 checks|timings|ab|producer40|producer-fence|quads|quads-more" >&2
   exit 2
 fi

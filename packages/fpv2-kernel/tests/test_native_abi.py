@@ -699,13 +699,14 @@ def test_unknown_kernel_variants_in_the_environment_are_refused(monkeypatch) -> 
     args = case.args()
     monkeypatch.setenv("FPV2_HOPPER_GATHER", "diagonal")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
-    assert "FPV2_HOPPER_GATHER=diagonal" in _last_error() and 'expected "pairs"' in _last_error()
+    assert "FPV2_HOPPER_GATHER=diagonal" in _last_error() and 'expected "quads"' in _last_error()
     assert "removed" not in _last_error()
-    # The layouts measured slower than lane pairs are gone: naming one is refused, not run as pairs.
-    monkeypatch.setenv("FPV2_HOPPER_GATHER", "warp")
-    assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
-    assert "FPV2_HOPPER_GATHER=warp" in _last_error() and "were removed" in _last_error()
-    monkeypatch.setenv("FPV2_HOPPER_GATHER", "pairs")
+    # The layouts measured slower than four lanes a row are gone: naming one is refused, not run as quads.
+    for removed in ("warp", "pairs"):
+        monkeypatch.setenv("FPV2_HOPPER_GATHER", removed)
+        assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
+        assert f"FPV2_HOPPER_GATHER={removed}" in _last_error() and "were removed" in _last_error()
+    monkeypatch.setenv("FPV2_HOPPER_GATHER", "quads")
     monkeypatch.setenv("FPV2_HOPPER_PINGPONG", "yes")
     assert LIB.fpv2_prefill(ctypes.byref(args)) == Status.INVALID_ARGUMENT
     assert "FPV2_HOPPER_PINGPONG=yes" in _last_error()

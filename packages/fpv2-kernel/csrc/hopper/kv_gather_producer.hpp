@@ -2,20 +2,19 @@
 // 64, ...): the 128 threads of the producer warpgroup gather the K and V rows of each KV tile of the
 // BlockSchedule with 16-byte cp.async, in the order the consumers read them.
 //
-// Lane pairs: the two lanes of a pair copy one token row together, lane 2p + h taking the chunks 2m + h of
-// each 128-byte segment, so every instruction of a warp reads 16 rows as 16 whole 32-byte sectors. With one
-// row per thread (this file until 2026-12-02) a warp's 16-byte copies came from 32 rows, each half of a
-// sector: the L2 served twice the sectors and ran at 95% of its throughput at page size 1 (ncu, 32K dense
-// 25.8 ms against 14.2 ms on the TMA path, benchmarks/NOTES.md). Whole rows per instruction (16 lanes a
-// row, page ids shuffled) fixed the L2 but made the producer latency-bound on 32 shuffle + copy steps a
-// tile; pairs keep the step count of the row layout (two passes of 16 rows at kBlockN = 128). Both older
-// layouts, and one sharing the page lookups through shared memory, measured slower than pairs and were
-// removed (2026-12-03).
+// Lane groups: the four lanes of a group copy one token row together, lane 4 g + h taking the chunks 4 m + h
+// of each 128-byte segment, so every instruction of a warp reads 8 rows as 8 contiguous 64-byte pieces (two
+// 32-byte sectors a request). Measured on the H200 at page size 1 (benchmarks/NOTES.md, 2026-12-03): one row
+// per thread (half a sector a request) was L2-bound, 26.5 ms dense at 32K; lane pairs (one sector a request)
+// 18.8 ms with the L2 still at 77% (TMA at page 128: 47%, 13 ms); four lanes 16.9 ms. Whole rows per
+// instruction (16 lanes a row, page ids shuffled) relieved the L2 but made the producer latency-bound on 32
+// shuffle + copy steps a tile; four lanes take four passes of 8 rows a warp at kBlockN = 128. The older
+// layouts (row, warp rows, page lookups shared through shared memory) measured slower and were removed.
 //
-// Page lookups: at kBlockN = 128 lane l of warp w looks up the cache row of tile row 32 w + l (one
-// page-table read per thread and tile, one tile ahead) and pass j of pair p takes row 32 w + 16 j + p from
-// lane 16 j + p by a shuffle; at 64-token tiles (d = 256) pair p of warp w owns row 16 w + p in one pass and
-// both of its lanes look it up.
+// Page lookups: lane l of warp w looks up the cache row of tile row kRowsPerWarp w + l (one page-table read
+// per thread and tile, a tile ahead), and pass j of group g takes row kRowsPerWarp w + 8 j + g from lane
+// 8 j + g by a shuffle (at the 64-token tiles of d = 256 a warp owns 16 rows in two passes; lanes 16..31
+// repeat the lookups of lanes 0..15).
 //
 // Row r of KV block n is token t = kBlockN n + r, at slot t % page_size of page page_table[b][t / page_size],
 // i.e. row page * page_size + t % page_size of the (num_pages * page_size, Hkv * d) view of the cache
@@ -25,10 +24,11 @@
 //
 // Each thread issues its copies of a K (then V) tile into a stage, then arrives on that stage's full
 // barrier when they have landed (cp.async.mbarrier.arrive.noinc; the barrier expects 128 arrivals in this
-// mode). The warpgroup runs in 24 registers (the consumers need the rest): cache rows are 32-bit, each
+// mode). The warpgroup runs in 32 registers (24 at d = 256; the consumers need the rest): cache rows are 32-bit, each
 // source address is formed just before its copies, the destinations are 32-bit shared addresses
-// (copy_half_row) and the lane's rows are derived again at each use (lane_id()). The consumers fence the async proxy after their
-// wait before wgmma reads the stage (cp.async writes through the generic proxy).
+// (copy_row_share) and the lane's rows are derived again at each use (lane_id()). The consumers fence the
+// async proxy after their wait before wgmma reads the stage (cp.async writes through the generic proxy; moving
+// that fence to the producer measured no faster, 2026-12-03).
 #pragma once
 
 #include <cstdint>
@@ -52,33 +52,38 @@ struct KvGatherProducer {
   static_assert(Traits::kHeadDim % kElementsPerSegment == 0, "rows are whole 128-byte swizzle segments");
   static_assert(kSmemTileAlignment % 1024 == 0, "the chunk XOR needs 1024-byte aligned stage buffers");
   static constexpr int kWarps = Traits::kThreadsPerWarpGroup / 32;
-  static constexpr int kPairsPerWarp = 16;
-  // Tile rows a pair copies: 2 at kBlockN = 128 (d <= 128), 1 at the 64-token tiles of d = 256.
-  static constexpr int kPasses = Traits::kBlockN / (kWarps * kPairsPerWarp);
-  static constexpr int kRowsPerWarp = kPasses * kPairsPerWarp;
-  static_assert(kPasses == 1 || kPasses == 2, "a warp's lanes look up its rows: at most 32 rows a warp");
-  static_assert(kPasses * kWarps * kPairsPerWarp == Traits::kBlockN, "the pairs cover the tile's rows");
+  // Lanes that copy one token row together: lane g * kLanesPerRow + h takes the chunks kLanesPerRow m + h of
+  // each segment, so one warp instruction reads kLanesPerRow * 16 contiguous bytes of each of its rows.
+  static constexpr int kLanesPerRow = 4;
+  static constexpr int kRowsPerPass = 32 / kLanesPerRow;  // rows one warp instruction reads
+  // Tile rows a lane group copies, one per pass: 4 at kBlockN = 128 (d <= 128), 2 at the 64-token tiles of d = 256.
+  static constexpr int kPasses = Traits::kBlockN / (kWarps * kRowsPerPass);
+  static constexpr int kRowsPerWarp = kPasses * kRowsPerPass;
+  static_assert(kChunksPerSegment % kLanesPerRow == 0, "the lanes of a row share each segment's chunks evenly");
+  static_assert(kRowsPerWarp <= 32, "a warp's lanes look up its rows: at most 32 rows a warp");
+  static_assert(kPasses * kWarps * kRowsPerPass == Traits::kBlockN, "the lane groups cover the tile's rows");
 
-  // This lane's half (chunks 2m + half of every segment) of tile row `row` into K (row-major (N, d)) or V^T
-  // ((d, N)) of `stage`, at 32-bit shared addresses (with CuTe's 64-bit swizzled pointers ptxas spilled in
-  // 24 registers). Within one 128-byte segment of a row the 128-byte swizzle permutes the eight chunks by
-  // XOR with the row's swizzle phase, so chunk k of a segment lies at the address of chunk 0 XOR 16 k (the
-  // stage buffers are 1024-byte aligned): one layout evaluation per segment, the rest immediates.
-  // fpv2_hopper_layout_check checks both facts on the layouts of every built head dim.
+  // This lane's share (chunks kLanesPerRow m + part of every segment) of tile row `row` into K (row-major
+  // (N, d)) or V^T ((d, N)) of `stage`, at 32-bit shared addresses (with CuTe's 64-bit swizzled pointers
+  // ptxas spilled in 24 registers). Within one 128-byte segment of a row the 128-byte swizzle permutes the
+  // eight chunks by XOR with the row's swizzle phase, so chunk k of a segment lies at the address of chunk 0
+  // XOR 16 k (the stage buffers are 1024-byte aligned): one layout evaluation per segment, the rest
+  // immediates. fpv2_hopper_layout_check checks both facts on the layouts of every built head dim.
   template <bool kTransposed>
-  __device__ __forceinline__ static void copy_half_row(Element* smem_tile, int stage, int row, int half,
-                                                       Element const* src, bool valid) {
+  __device__ __forceinline__ static void copy_row_share(Element* smem_tile, int stage, int row, int part,
+                                                        Element const* src, bool valid) {
     using Layout = cute::conditional_t<kTransposed, typename Traits::SmemLayoutVt, typename Traits::SmemLayoutK>;
     const uint32_t tile_address = cute::cast_smem_ptr_to_uint(smem_tile);
-    src += half * kElementsPerChunk;
+    src += part * kElementsPerChunk;
     CUTE_UNROLL
     for (int s = 0; s < kSegmentsPerRow; ++s) {
       const int col = s * kElementsPerSegment;
       const int first = kTransposed ? smem_offset<Layout>(col, row, stage) : smem_offset<Layout>(row, col, stage);
-      const uint32_t address = (tile_address + uint32_t(first) * uint32_t(sizeof(Element))) ^ uint32_t(16 * half);
+      const uint32_t address = (tile_address + uint32_t(first) * uint32_t(sizeof(Element))) ^ uint32_t(16 * part);
       CUTE_UNROLL
-      for (int m = 0; m < kChunksPerSegment / 2; ++m) {
-        cp_async_16_zfill(address ^ uint32_t(32 * m), src + col + 2 * m * kElementsPerChunk, valid);
+      for (int m = 0; m < kChunksPerSegment / kLanesPerRow; ++m) {
+        cp_async_16_zfill(address ^ uint32_t(16 * kLanesPerRow * m), src + col + kLanesPerRow * m * kElementsPerChunk,
+                          valid);
       }
     }
   }
@@ -93,10 +98,11 @@ struct KvGatherProducer {
     // spills at d = 64 and d = 256 (tools/check_ptxas_report.py); re-deriving them costs a few integer
     // instructions per tile.
     auto warp_rows = []() { return warp_in_warpgroup() * kRowsPerWarp; };
-    auto pair = []() { return lane_id() >> 1; };
-    auto half = []() { return lane_id() & 1; };
-    auto first_row = [&]() { return warp_rows() + pair(); };  // pass j copies row first_row() + 16 j
-    auto lookup_row = [&]() { return kPasses == 2 ? warp_rows() + lane_id() : first_row(); };
+    auto group = []() { return lane_id() / kLanesPerRow; };
+    auto part = []() { return lane_id() % kLanesPerRow; };
+    auto first_row = [&]() { return warp_rows() + group(); };  // pass j copies row first_row() + kRowsPerPass j
+    // Lane l looks up row l of the warp's rows (lanes past kRowsPerWarp repeat a lookup).
+    auto lookup_row = [&]() { return warp_rows() + lane_id() % kRowsPerWarp; };
 
     int32_t const* pages = params.page_table + int64_t(tile.request) * params.page_table_stride;
     const int page_size = params.page_size;
@@ -110,8 +116,7 @@ struct KvGatherProducer {
     };
     // Pass j's source row: from the lane that looked it up (at one pass, this lane itself).
     auto source_row = [&](int looked_up, int pass) -> int {
-      if constexpr (kPasses == 1) return looked_up;
-      return __shfl_sync(0xffffffffu, looked_up, pass * kPairsPerWarp + pair());
+      return __shfl_sync(0xffffffffu, looked_up, pass * kRowsPerPass + group());
     };
     auto copy_tile = [&](auto transposed, int stage, Element const* base, int64_t token_stride, int looked_up) {
       Element* smem_tile = decltype(transposed)::value ? smem.v : smem.k;
@@ -121,8 +126,8 @@ struct KvGatherProducer {
         const bool valid = cache_row >= 0;
         // A zero-size copy reads nothing: the cache base stands in for rows past the request.
         const int64_t offset = valid ? int64_t(cache_row) * token_stride + head_offset : 0;
-        copy_half_row<decltype(transposed)::value>(smem_tile, stage, first_row() + pass * kPairsPerWarp, half(),
-                                                   base + offset, valid);
+        copy_row_share<decltype(transposed)::value>(smem_tile, stage, first_row() + pass * kRowsPerPass, part(),
+                                                    base + offset, valid);
       }
     };
 
@@ -153,19 +158,19 @@ struct KvGatherProducer {
         pipeline_k.producer_wait_empty(state);
         CUTE_UNROLL
         for (int pass = 0; pass < kPasses; ++pass) {
-          const int row = first_row() + pass * kPairsPerWarp;
+          const int row = first_row() + pass * kRowsPerPass;
           const bool valid = tile_base + row < params.pooled_rows;
           const int64_t offset = valid ? (tile_base + row) * params.cache_cols + head_offset : 0;
-          copy_half_row<false>(smem.k, state.stage, row, half(), params.pooled_k + offset, valid);
+          copy_row_share<false>(smem.k, state.stage, row, part(), params.pooled_k + offset, valid);
         }
         pipeline_k.producer_commit_cp_async(state);
         pipeline_v.producer_wait_empty(state);
         CUTE_UNROLL
         for (int pass = 0; pass < kPasses; ++pass) {
-          const int row = first_row() + pass * kPairsPerWarp;
+          const int row = first_row() + pass * kRowsPerPass;
           const bool valid = tile_base + row < params.pooled_rows;
           const int64_t offset = valid ? (tile_base + row) * params.cache_cols + head_offset : 0;
-          copy_half_row<true>(smem.v, state.stage, row, half(), params.pooled_v + offset, valid);
+          copy_row_share<true>(smem.v, state.stage, row, part(), params.pooled_v + offset, valid);
         }
         pipeline_v.producer_commit_cp_async(state);
         state.advance();

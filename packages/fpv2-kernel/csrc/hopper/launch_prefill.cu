@@ -168,16 +168,18 @@ int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_p
 }
 
 // FPV2_HOPPER_GATHER names the cp.async gather layout for pages that are not a multiple of 128; one is built,
-// "pairs" (two lanes per token row). The layouts "row", "shared" and "warp" were measured slower than it on the
-// H200 and removed (benchmarks/NOTES.md, 2026-12-03): naming one is refused, not silently run as "pairs".
+// "quads" (four lanes per token row). The layouts "row", "shared", "warp" and "pairs" were measured slower than
+// it on the H200 and removed (benchmarks/NOTES.md, 2026-12-03): naming one is refused, not silently run as
+// "quads".
 int32_t check_gather_layout_from_environment() {
   const char* value = std::getenv("FPV2_HOPPER_GATHER");
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "pairs") == 0) return FPV2_OK;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "quads") == 0) return FPV2_OK;
   const bool removed = std::strcmp(value, "row") == 0 || std::strcmp(value, "shared") == 0 ||
-                       std::strcmp(value, "warp") == 0;
+                       std::strcmp(value, "warp") == 0 || std::strcmp(value, "pairs") == 0;
   return fail(FPV2_ERROR_INVALID_ARGUMENT,
-              format("environment FPV2_HOPPER_GATHER=%s: expected \"pairs\" (the only gather layout%s)", value,
-                     removed ? "; \"row\", \"shared\" and \"warp\" measured slower and were removed" : ""));
+              format("environment FPV2_HOPPER_GATHER=%s: expected \"quads\" (the only gather layout%s)", value,
+                     removed ? "; \"row\", \"shared\", \"warp\" and \"pairs\" measured slower and were removed"
+                             : ""));
 }
 
 // An on/off kernel variant from the environment (FPV2_HOPPER_PINGPONG, FPV2_HOPPER_PERSISTENT,

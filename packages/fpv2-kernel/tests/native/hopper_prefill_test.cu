@@ -641,7 +641,7 @@ int run_timing(const std::vector<int>& lengths, int batch, int repeats, double k
       const int head_major_on = !(head_major != nullptr && std::strcmp(head_major, "0") == 0);
       const char* half_exp = std::getenv("FPV2_HOPPER_POOLED_HALF_EXP");
       const int half_exp_on = half_exp != nullptr && std::strcmp(half_exp, "1") == 0;
-      const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-pairs");
+      const std::string kv_path = page_size % 128 == 0 ? "tma" : std::string("gather-quads");
       std::printf("RESULT {\"impl\": \"%s\", \"kv_path\": \"%s\", \"pingpong\": %d, \"persistent\": %d, \"overlap\": %d, \"request_major\": %d, \"head_major\": %d, \"pooled_half_exp\": %d, \"work_order\": \"%s\", \"requests\": \"%s\", \"B\": %d, \"L\": %d, \"q_len\": %d, \"workspace_bytes\": %llu, \"Hq\": 32, \"Hkv\": 8, "
                   "\"d\": %d, \"page_size\": %d, \"dtype\": \"bf16\", \"density\": %.5f, \"ms\": %.4f, "
                   "\"ms_min\": %.4f, \"dense_equivalent_tflops\": %.2f, \"time_over_density_x_dense\": %.4f, "

@@ -256,9 +256,9 @@ class HopperBackend:
         """Host-side check of the calls ``auto`` sends to the kernel (others go to the fallback backend).
 
         Every page size is served: TMA for multiples of the 128-token tile,
-        the lane-pair cp.async gather otherwise (page size 1 included), which
-        measured faster than the Triton kernel on the H200 (2026-12-03, see
-        ``benchmarks/NOTES.md``). Caches the kernel cannot read as one
+        the cp.async gather otherwise (page size 1 included), which measured
+        faster than the Triton kernel on the H200 (128K pipeline 16.5 against
+        24.1 ms, 2026-12-03, see ``benchmarks/NOTES.md``). Caches the kernel cannot read as one
         ``(num_pages * page_size, Hkv * d)`` row-major matrix (for example the
         head-major K/V of a transformers layer) go to the fallback. The
         library refuses what it cannot run at all (dtype, head dim).

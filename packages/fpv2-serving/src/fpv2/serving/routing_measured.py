@@ -6,7 +6,8 @@ bf16, ``alpha = 0.1``, the sparse pipeline with the correction against the
 backend's dense mode, medians of 10 CUDA-event runs.
 
 - page size 1 (2026-12-03, ``benchmarks/results/2026-12-03-h200-gather-pairs-only/routing-page1-hopper/``),
-  the Hopper kernel's lane-pair gather, which ``auto`` runs at page size 1 since
+  the Hopper kernel's cp.async gather (its two-lane version of that day; the
+  four-lane one that replaced it is faster still), which ``auto`` runs at page size 1 since
   then: sparse wins from about 8,934 KV tokens on (2.38x at 16K, 5.72x at 32K);
   at 8K it is 1.13x slower than dense (on the Triton backends of 2026-11-29 the
   switch was at 10,069 tokens, 4.48x at 32K);
@@ -52,7 +53,7 @@ H200_TABLE: dict[str, object] = {
                 "correction": True,
                 "workload": "planted",
                 "repeats": 10,
-                "commit": "fpv2-kernel 0.1.1 (the lane-pair gather), 2026-12-03",
+                "commit": "fpv2-kernel 0.1.1 (the two-lane gather), 2026-12-03",
             },
         },
         {
