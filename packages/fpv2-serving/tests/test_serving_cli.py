@@ -60,6 +60,8 @@ def test_bench_tiny_cpu_writes_results_summary_and_png(tmp_path, capsys):
     assert payload["config"]["seqlen"] == 1024 and payload["config"]["alphas"] == [0.1, 0.3]
     assert set(payload["wheels"]) == {"fpv2-kernel", "fpv2-index", "fpv2-correction", "fpv2-serving"}
     assert payload["torch"] == torch.__version__ and "commit" in payload and "machine" in payload
+    # The device's name, in the file and the table title (a row's timing fields once overwrote it).
+    assert payload["gpu"] == "cpu" and " on cpu (" in captured.out
     assert any("CPU run" in note for note in payload["notes"])
 
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -334,7 +334,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             measured = _measure(base.call, cfg, device, bar.update)
             samples, out = measured.samples, measured.result
             assert isinstance(out, torch.Tensor)
-            gpu = measured.gpu_fields()
+            gpu_timing = measured.gpu_fields()
             packed = base.packed(out)
             ms = median(samples)
             rows.append(
@@ -355,8 +355,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                     "needle_rel_err": needle_error(packed),
                     "tflops": tflops(dense_flops, ms),
                     "speedup": dense_ms / ms if ms > 0 else None,
-                    **gpu,
-                    **_gpu_speedup(dense_gpu, gpu),
+                    **gpu_timing,
+                    **_gpu_speedup(dense_gpu, gpu_timing),
                 }
             )
             del out, packed, measured
@@ -375,7 +375,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             samples, result = measured.samples, measured.result
             assert isinstance(result, PrefillResult)
             split = _stage_medians(measured.stages)
-            gpu = measured.gpu_fields()
+            gpu_timing = measured.gpu_fields()
             ms = median(samples)
             density = float(result.index.density(batch))
             row = {
@@ -393,8 +393,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                 "tflops": tflops(dense_flops, ms),
                 "speedup": dense_ms / ms if ms > 0 else None,
                 "dense_scaled_ms": density * dense_ms,
-                **gpu,
-                **_gpu_speedup(dense_gpu, gpu),
+                **gpu_timing,
+                **_gpu_speedup(dense_gpu, gpu_timing),
             }
             rows.append(row)
             rows.append(
@@ -412,7 +412,11 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                         index_flops(lens, lens, cfg.q_heads, cfg.head_dim, result.index.block_size), split["index_ms"]
                     ),
                     "tflops_basis": "index scoring FLOPs (2 Hq Lq Lk d / Bk / 2), not dense-equivalent",
-                    **({"gpu_ms": gpu.get("gpu_index_ms"), "gpu_index_ms": gpu.get("gpu_index_ms")} if gpu else {}),
+                    **(
+                        {"gpu_ms": gpu_timing.get("gpu_index_ms"), "gpu_index_ms": gpu_timing.get("gpu_index_ms")}
+                        if gpu_timing
+                        else {}
+                    ),
                 }
             )
             panels.append(
