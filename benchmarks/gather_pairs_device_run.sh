@@ -53,16 +53,59 @@ time_b1() {
   summary "$3"
 }
 
-if [ "$PART" = checks ]; then
-  TEST="$BIN/fpv2_hopper_prefill_test"
-  timeout 60 "$TEST" --mode small > "$LOGS/small.log" 2>&1
+# Checks of $BIN's test program: memcheck_small (the small cases plain and under compute-sanitizer memcheck),
+# grid LIMIT (the whole correctness grid).
+memcheck_small() {
+  timeout 60 "$BIN/fpv2_hopper_prefill_test" --mode small > "$LOGS/small.log" 2>&1
   echo "small: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small.log")"
-  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-  timeout 120 "$SAN" --tool memcheck --error-exitcode 3 "$TEST" --mode small > "$LOGS/memcheck.log" 2>&1
+  local san
+  san="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  timeout 120 "$san" --tool memcheck --error-exitcode 3 "$BIN/fpv2_hopper_prefill_test" --mode small \
+    > "$LOGS/memcheck.log" 2>&1
   echo "memcheck small: rc=$? $(tail -1 "$LOGS/memcheck.log")"
-  timeout 200 "$TEST" --mode correctness > "$LOGS/grid.log" 2>&1
+}
+grid() {
+  timeout "$1" "$BIN/fpv2_hopper_prefill_test" --mode correctness > "$LOGS/grid.log" 2>&1
   echo "grid: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid.log") fail $(grep -c '^\[FAIL' "$LOGS/grid.log")"
   grep '^\[FAIL' "$LOGS/grid.log" | head -5
+}
+
+# base / new / new / base: alternate NEW_NAME STEP runs STEP NAME BIN ROUND for each, NAME "base" or NEW_NAME.
+alternate() {
+  local new_name="$1" step="$2" round=0 name bin
+  for name in base "$new_name" "$new_name" base; do
+    round=$((round + 1))
+    bin=$([ "$name" = base ] && echo "$BASE_BIN" || echo "$BIN")
+    "$step" "$name" "$bin" "$round"
+  done
+}
+# Steps for alternate: pages 1 and 128 at d=128; the TMA path (page 128) at d=128 and 256.
+time_pages_1_128() {
+  local page
+  for page in 1 128; do
+    time_b1 "$2" "$page" "$LOGS/timing-$1-page$page-$3.log"
+  done
+}
+time_tma_128_256() {
+  local d
+  for d in 128 256; do
+    timeout 150 "$2/fpv2_hopper_prefill_test" --mode timing --lengths 32768,131072 --repeats 10 --keep 0.03 \
+      --page-size 128 --head-dim "$d" > "$LOGS/timing-$1-d$d-page128-$3.log" 2>&1
+    echo "$1 d=$d page 128 (step $3): rc=$?"
+    summary "$LOGS/timing-$1-d$d-page128-$3.log"
+  done
+}
+# d=256 at page 1, 32K: time_d256_page1 NAME BIN
+time_d256_page1() {
+  timeout 100 "$2/fpv2_hopper_prefill_test" --mode timing --lengths 32768 --repeats 10 --keep 0.03 \
+    --page-size 1 --head-dim 256 > "$LOGS/timing-$1-d256-page1.log" 2>&1
+  echo "$1 d=256 page 1: rc=$?"
+  summary "$LOGS/timing-$1-d256-page1.log"
+}
+
+if [ "$PART" = checks ]; then
+  memcheck_small
+  grid 200
   for page in 1 16; do
     time_b1 "$BASE_BIN" "$page" "$LOGS/timing-base-page$page-1.log"
     time_b1 "$BIN" "$page" "$LOGS/timing-pairs-page$page-1.log"
@@ -86,17 +129,7 @@ elif [ "$PART" = timings ]; then
 elif [ "$PART" = ab ]; then
   # The removal of the other gather layouts changed every instantiation's code: the TMA path at d=128 and d=256
   # (page 128, whose d=256 overlapped consumers went 56 -> 64 B of stack), base / new / new / base.
-  round=0
-  for name in base new new base; do
-    round=$((round + 1))
-    bin=$([ "$name" = new ] && echo "$BIN" || echo "$BASE_BIN")
-    for d in 128 256; do
-      timeout 150 "$bin/fpv2_hopper_prefill_test" --mode timing --lengths 32768,131072 --repeats 10 --keep 0.03 \
-        --page-size 128 --head-dim "$d" > "$LOGS/timing-$name-d$d-page128-$round.log" 2>&1
-      echo "$name d=$d page 128 (step $round): rc=$?"
-      summary "$LOGS/timing-$name-d$d-page128-$round.log"
-    done
-  done
+  alternate new time_tma_128_256
   for backend in hopper triton; do
     bench_row 1 32768 "bench-page1-32768-$backend" 120 --page-size 1 --backend "$backend"
   done
@@ -110,14 +143,7 @@ elif [ "$PART" = producer40 ]; then
   # The producer warpgroup at 40 registers instead of 32 (d <= 128; 40 + 2 x 232 = 504, the launch allocation):
   # base (BASE_BIN, 32) / 40 (BIN) / 40 / base at page 1 and page 128, then ncu of the base's 32K page-1 dense
   # and corrected launches (scripts/profile_hopper.sh: stall reasons, hottest SASS).
-  round=0
-  for name in base r40 r40 base; do
-    round=$((round + 1))
-    bin=$([ "$name" = r40 ] && echo "$BIN" || echo "$BASE_BIN")
-    for page in 1 128; do
-      time_b1 "$bin" "$page" "$LOGS/timing-$name-page$page-$round.log"
-    done
-  done
+  alternate r40 time_pages_1_128
   OUT="$LOGS/profile" PROFILE_BINARY="$BASE_BIN/fpv2_hopper_prefill_test" PROFILE_PAGE_SIZE=1 \
     PROFILE_LAUNCHES="1 5" timeout 300 bash scripts/profile_hopper.sh > "$LOGS/profile.log" 2>&1
   echo "profile: rc=$?"
@@ -130,30 +156,11 @@ elif [ "$PART" = producer-fence ]; then
   # The gather's stages fenced into the async proxy by the producer threads, not the consumers: checks on the
   # new library, base (BASE_BIN) / new / new / base timings at page 1 and 128, d=256 at page 1 once each; if
   # the new page-1 dense time is lower, the page-1 pipeline rows on the new library and the kernel's GPU tests.
-  TEST="$BIN/fpv2_hopper_prefill_test"
-  timeout 60 "$TEST" --mode small > "$LOGS/small.log" 2>&1
-  echo "small: rc=$? pass=$(grep -c '^\[PASS' "$LOGS/small.log")"
-  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-  timeout 120 "$SAN" --tool memcheck --error-exitcode 3 "$TEST" --mode small > "$LOGS/memcheck.log" 2>&1
-  echo "memcheck small: rc=$? $(tail -1 "$LOGS/memcheck.log")"
-  timeout 200 "$TEST" --mode correctness > "$LOGS/grid.log" 2>&1
-  echo "grid: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid.log") fail $(grep -c '^\[FAIL' "$LOGS/grid.log")"
-  grep '^\[FAIL' "$LOGS/grid.log" | head -5
-  round=0
-  for name in base new new base; do
-    round=$((round + 1))
-    bin=$([ "$name" = new ] && echo "$BIN" || echo "$BASE_BIN")
-    for page in 1 128; do
-      time_b1 "$bin" "$page" "$LOGS/timing-$name-page$page-$round.log"
-    done
-  done
-  for name in base new; do
-    bin=$([ "$name" = new ] && echo "$BIN" || echo "$BASE_BIN")
-    timeout 100 "$bin/fpv2_hopper_prefill_test" --mode timing --lengths 32768 --repeats 10 --keep 0.03 \
-      --page-size 1 --head-dim 256 > "$LOGS/timing-$name-d256-page1.log" 2>&1
-    echo "$name d=256 page 1: rc=$?"
-    summary "$LOGS/timing-$name-d256-page1.log"
-  done
+  memcheck_small
+  grid 200
+  alternate new time_pages_1_128
+  time_d256_page1 base "$BASE_BIN"
+  time_d256_page1 new "$BIN"
   dense_ms() { grep -m1 "fpv2-hopper-dense" "$1" | sed -E 's/.*median ([0-9.]+) ms.*/\1/'; }
   if awk -v n="$(dense_ms "$LOGS/timing-new-page1-2.log")" -v b="$(dense_ms "$LOGS/timing-base-page1-1.log")" \
     'BEGIN { exit !(n < b) }'; then
@@ -170,9 +177,7 @@ elif [ "$PART" = producer-fence ]; then
 elif [ "$PART" = quads ]; then
   # Four lanes per token row (two sectors a request) against the lane pairs (BASE_BIN): the correctness grid on
   # the new build, then base / new timings at page 1 (one order only: a short call).
-  timeout 100 "$BIN/fpv2_hopper_prefill_test" --mode correctness > "$LOGS/grid.log" 2>&1
-  echo "grid: rc=$? pass $(grep -c '^\[PASS' "$LOGS/grid.log") fail $(grep -c '^\[FAIL' "$LOGS/grid.log")"
-  grep '^\[FAIL' "$LOGS/grid.log" | head -5
+  grid 100
   time_b1 "$BASE_BIN" 1 "$LOGS/timing-base-page1.log"
   time_b1 "$BIN" 1 "$LOGS/timing-quads-page1.log"
 elif [ "$PART" = quads-more ]; then
@@ -180,17 +185,9 @@ elif [ "$PART" = quads-more ]; then
   # page-1 pipeline at 128K on the quads library.
   time_b1 "$BIN" 1 "$LOGS/timing-quads-page1-2.log"
   time_b1 "$BASE_BIN" 1 "$LOGS/timing-base-page1-2.log"
-  for name in quads base; do
-    bin=$([ "$name" = quads ] && echo "$BIN" || echo "$BASE_BIN")
-    timeout 60 "$bin/fpv2_hopper_prefill_test" --mode timing --lengths 32768 --repeats 10 --keep 0.03 \
-      --page-size 1 --head-dim 256 > "$LOGS/timing-$name-d256-page1.log" 2>&1
-    echo "$name d=256 page 1: rc=$?"
-    summary "$LOGS/timing-$name-d256-page1.log"
-  done
-  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-  timeout 60 "$SAN" --tool memcheck --error-exitcode 3 "$BIN/fpv2_hopper_prefill_test" --mode small \
-    > "$LOGS/memcheck.log" 2>&1
-  echo "memcheck small: rc=$? $(tail -1 "$LOGS/memcheck.log")"
+  time_d256_page1 quads "$BIN"
+  time_d256_page1 base "$BASE_BIN"
+  memcheck_small
   bench_row 1 131072 bench-page1-131072-hopper 60 --page-size 1 --backend hopper
 else
   echo "usage: $0 checks|timings|ab|producer40|producer-fence|quads|quads-more" >&2
