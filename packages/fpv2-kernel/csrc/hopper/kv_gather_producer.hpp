@@ -131,6 +131,18 @@ struct KvGatherProducer {
       }
     };
 
+    // Pooled rows are contiguous: each pass forms its own row, no page table and no shuffle.
+    auto copy_pooled_tile = [&](auto transposed, int stage, Element const* base, int64_t tile_base) {
+      Element* smem_tile = decltype(transposed)::value ? smem.v : smem.k;
+      CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row = first_row() + pass * kRowsPerPass;
+        const bool valid = tile_base + row < params.pooled_rows;
+        const int64_t offset = valid ? (tile_base + row) * params.cache_cols + head_offset : 0;
+        copy_row_share<decltype(transposed)::value>(smem_tile, stage, row, part(), base + offset, valid);
+      }
+    };
+
     const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
     Pipeline pipeline_k(smem.pipeline_k);
     Pipeline pipeline_v(smem.pipeline_v);
@@ -153,25 +165,12 @@ struct KvGatherProducer {
       const int pooled_base = params.pooled_block_offsets[tile.request];
       CUTE_NO_UNROLL
       for (int c = 0; c < schedule.num_correction; ++c) {
-        // Pooled rows are contiguous: each pass forms its own row, no page table and no shuffle.
         const int64_t tile_base = int64_t(pooled_base) + int64_t(schedule.pooled_tile(c)) * Traits::kBlockN;
         pipeline_k.producer_wait_empty(state);
-        CUTE_UNROLL
-        for (int pass = 0; pass < kPasses; ++pass) {
-          const int row = first_row() + pass * kRowsPerPass;
-          const bool valid = tile_base + row < params.pooled_rows;
-          const int64_t offset = valid ? (tile_base + row) * params.cache_cols + head_offset : 0;
-          copy_row_share<false>(smem.k, state.stage, row, part(), params.pooled_k + offset, valid);
-        }
+        copy_pooled_tile(cute::false_type{}, state.stage, params.pooled_k, tile_base);
         pipeline_k.producer_commit_cp_async(state);
         pipeline_v.producer_wait_empty(state);
-        CUTE_UNROLL
-        for (int pass = 0; pass < kPasses; ++pass) {
-          const int row = first_row() + pass * kRowsPerPass;
-          const bool valid = tile_base + row < params.pooled_rows;
-          const int64_t offset = valid ? (tile_base + row) * params.cache_cols + head_offset : 0;
-          copy_row_share<true>(smem.v, state.stage, row, part(), params.pooled_v + offset, valid);
-        }
+        copy_pooled_tile(cute::true_type{}, state.stage, params.pooled_v, tile_base);
         pipeline_v.producer_commit_cp_async(state);
         state.advance();
       }
