@@ -25,6 +25,7 @@ import torch
 from fpv2.kernel import BLOCK_SIZE, BlockIndex, CorrectionPlan, PagedPrefillBatch
 
 from .fallback_backend import FallbackBackend
+from .tile_repack_policy import should_repack
 
 #: Name that asks for the best available backend.
 AUTO = "auto"
@@ -356,13 +357,21 @@ class HopperBackend:
         """Run ``fpv2.kernel._native.hopper_prefill`` into a fresh output tensor.
 
         Arguments as for :meth:`AttentionBackend.run`; ``index=None`` (with no plan) is
-        dense causal attention.
+        dense causal attention. Pages that are not a multiple of the 128-token tile are
+        first copied into tile pages when :func:`~fpv2.serving.tile_repack_policy.should_repack`
+        says so (the kernel then runs its TMA path; ``FPV2_HOPPER_REPACK`` overrides).
 
         Returns:
             ``(total_q, Hq, d)`` output.
         """
         from fpv2.kernel._native import hopper_prefill
 
+        if should_repack(batch, self.kv_tile):
+            # Small pages: one copy of the call's KV into tile pages, then the TMA path (tile_repack_policy).
+            from fpv2.kernel.triton.tile_repack import repack_to_tile_pages
+
+            packed = repack_to_tile_pages(k_cache, v_cache, batch)
+            k_cache, v_cache, batch = packed.k_cache, packed.v_cache, packed.batch
         out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
         return hopper_prefill(
             q,

@@ -1,0 +1,205 @@
+"""Tile repacking: a batch's K and V copied from small pages into pages of one 128-token KV tile.
+
+The Hopper kernel loads K/V tiles by TMA when the page size is a multiple of its
+128-token tile and gathers them row by row with cp.async otherwise (page size 1
+included). On the H200 the gather runs dense 32K at 17.2 ms against 13.0 ms for
+TMA at page 128 (``benchmarks/NOTES.md``, 2026-12-03): the L2 serves its per-row
+requests at a lower rate, and one-row TMA copies measured slower still. A
+prefill call reads each key block once per query tile that keeps it, so when its
+queries are a large share of its keys, copying the batch's keys and values once
+into tile-sized pages (one read and one write of the batch's KV) and running the
+TMA path costs less than gathering every kept block for every tile.
+
+The copy keeps every request's token order: token ``t`` of request ``b`` goes to
+row ``t % 128`` of tile page ``first_page[b] + t // 128``, where requests take
+consecutive tile pages in batch order. Rows past a request's KV length are
+zero-filled, so the kernel never reads stale values there. The copy runs on the
+device without a host synchronisation (its grid comes from the batch's cached
+host view).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..contracts import PagedPrefillBatch
+from .interpreter_compat import install_interpreter_index_fix
+
+#: Tokens per tile page (the Hopper kernel's KV tile and the index's key block).
+TILE_TOKENS = 128
+#: Tokens one program copies.
+TOKENS_PER_PROGRAM = 16
+
+
+@triton.jit
+def tile_repack_kernel(
+    KSrc,
+    VSrc,
+    KDst,
+    VDst,
+    PageTable,
+    page_table_stride,
+    SeqlensK,
+    TileEnds,
+    num_requests,
+    page_size,
+    k_token_stride,
+    v_token_stride,
+    ROW: tl.constexpr,
+    ROW_P2: tl.constexpr,
+    TILE: tl.constexpr,
+    TOKENS: tl.constexpr,
+):
+    """Tokens ``part * TOKENS ..`` of tile page ``pid``: ``ROW`` = Hkv * d elements a token, zeros past the request."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    # Request b owns tile pages TileEnds[b - 1] .. TileEnds[b] - 1.
+    b = pid * 0
+    for i in range(num_requests):
+        b += (pid >= tl.load(TileEnds + i)).to(tl.int32)
+    first = tl.load(TileEnds + b - 1, mask=b > 0, other=0)
+    kv_len = tl.load(SeqlensK + b)
+    local = part * TOKENS + tl.arange(0, TOKENS)
+    token = (pid - first) * TILE + local
+    valid = token < kv_len
+    page = tl.load(PageTable + b.to(tl.int64) * page_table_stride + token // page_size, mask=valid, other=0)
+    slot = page.to(tl.int64) * page_size + token % page_size
+    cols = tl.arange(0, ROW_P2)
+    in_row = cols < ROW
+    load_mask = valid[:, None] & in_row[None, :]
+    dst = (pid.to(tl.int64) * TILE + local)[:, None] * ROW + cols[None, :]
+    k = tl.load(KSrc + slot[:, None] * k_token_stride + cols[None, :], mask=load_mask, other=0.0)
+    tl.store(KDst + dst, k, mask=in_row[None, :])
+    v = tl.load(VSrc + slot[:, None] * v_token_stride + cols[None, :], mask=load_mask, other=0.0)
+    tl.store(VDst + dst, v, mask=in_row[None, :])
+
+
+@dataclass(frozen=True)
+class TileRepacked:
+    """A batch's K and V in tile pages, with the batch that addresses them.
+
+    Attributes:
+        k_cache: ``(num_tile_pages, 128, Hkv, d)`` keys, contiguous.
+        v_cache: values, same shape.
+        batch: the input batch's query offsets and KV lengths (the same tensors)
+            with a page table of the tile pages and ``page_size`` 128.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    batch: PagedPrefillBatch
+
+
+def tile_pages_per_request(batch: PagedPrefillBatch) -> list[int]:
+    """Tile pages each request takes, ``ceil(seqlens_k[b] / 128)``, from the batch's host view."""
+    return [-(-length // TILE_TOKENS) for length in batch.host.seqlens_k]
+
+
+def tile_repack_bytes(k_cache: torch.Tensor, batch: PagedPrefillBatch) -> int:
+    """Bytes :func:`repack_to_tile_pages` allocates for the copies of K and V (host view, no device read).
+
+    Args:
+        k_cache: the paged keys ``(num_pages, page_size, Hkv, d)``.
+        batch: the batch metadata.
+
+    Returns:
+        ``2 * num_tile_pages * 128 * Hkv * d * element size``.
+    """
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    return 2 * sum(tile_pages_per_request(batch)) * TILE_TOKENS * num_kv_heads * head_dim * k_cache.element_size()
+
+
+def repack_to_tile_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch) -> TileRepacked:
+    """Copy the batch's keys and values into 128-token pages (see the module docstring).
+
+    Args:
+        k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys on a CUDA device (or the CPU under
+            the Triton interpreter); head and element strides must be dense (``d`` and 1), and
+            pages contiguous when ``page_size > 1``.
+        v_cache: paged values, same shape and dtype.
+        batch: the batch metadata (its host view gives the grid: one sync on first use, cached).
+
+    Returns:
+        The :class:`TileRepacked` copies and batch.
+
+    Raises:
+        TypeError: the caches are not tensors or differ in dtype.
+        ValueError: shapes or strides the copy cannot read, or caches on another device than the batch.
+    """
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(cache).__name__}")
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must be (num_pages, page_size, Hkv, d); got shape {tuple(cache.shape)}")
+        if cache.device != batch.device:
+            raise ValueError(f"{name} is on {cache.device}, the batch on {batch.device}")
+        _, page_size, num_kv_heads, head_dim = cache.shape
+        page_stride, token_stride, head_stride, elem_stride = cache.stride()
+        if elem_stride != 1 or head_stride != head_dim or (page_size > 1 and page_stride != page_size * token_stride):
+            raise ValueError(
+                f"{name}: the copy reads (num_pages * page_size, Hkv * d) rows and needs element stride 1, head "
+                f"stride d and contiguous pages; got strides {tuple(cache.stride())} for shape {tuple(cache.shape)}"
+            )
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise TypeError(
+            f"v_cache must match k_cache: got {tuple(v_cache.shape)} {v_cache.dtype} against "
+            f"{tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if k_cache.shape[1] != batch.page_size:
+        raise ValueError(f"k_cache has pages of {k_cache.shape[1]} tokens, the batch says page_size={batch.page_size}")
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    if k_cache.device.type == "cpu":
+        if not isinstance(tile_repack_kernel, InterpretedFunction):
+            raise ValueError(
+                "the tile repack needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run on "
+                "the CPU; got caches on the CPU"
+            )
+        install_interpreter_index_fix()
+    pages = tile_pages_per_request(batch)
+    total = sum(pages)
+    device = k_cache.device
+    shape = (max(total, 1), TILE_TOKENS, num_kv_heads, head_dim)
+    k_tiles = torch.empty(shape, dtype=k_cache.dtype, device=device)
+    v_tiles = torch.empty(shape, dtype=k_cache.dtype, device=device)
+    # Request b's tile pages start where request b - 1's end: computed on the device from the lengths.
+    tiles = (batch.seqlens_k.to(torch.int64) + TILE_TOKENS - 1) // TILE_TOKENS
+    ends = torch.cumsum(tiles, 0)
+    max_tiles = max(max(pages, default=0), 1)
+    table = ((ends - tiles)[:, None] + torch.arange(max_tiles, device=device)[None, :]).to(torch.int32)
+    if total > 0:
+        row = num_kv_heads * head_dim
+        grid = (total, TILE_TOKENS // TOKENS_PER_PROGRAM)
+        tile_repack_kernel[grid](
+            k_cache,
+            v_cache,
+            k_tiles,
+            v_tiles,
+            batch.page_table,
+            batch.page_table.stride(0),
+            batch.seqlens_k,
+            ends.to(torch.int32),
+            batch.num_requests,
+            batch.page_size,
+            k_cache.stride(1),
+            v_cache.stride(1),
+            ROW=row,
+            ROW_P2=triton.next_power_of_2(row),
+            TILE=TILE_TOKENS,
+            TOKENS=TOKENS_PER_PROGRAM,
+            num_warps=4,
+        )
+    repacked = PagedPrefillBatch(
+        cu_seqlens_q=batch.cu_seqlens_q,
+        seqlens_k=batch.seqlens_k,
+        page_table=table,
+        page_size=TILE_TOKENS,
+        num_pages=shape[0],
+        check_values=False,
+    )
+    repacked.assume_host_view(batch.host)
+    return TileRepacked(k_tiles, v_tiles, repacked)

@@ -1,0 +1,117 @@
+"""Tile repacking (``fpv2.kernel.triton.tile_repack``): small pages copied into 128-token pages.
+
+The copy is checked against the per-request ground truth of :func:`conftest.make_case` (keys and values
+before they were scattered through a random page permutation, spare slots NaN): every token lands at
+row ``t % 128`` of its request's tile page ``t // 128``, requests take consecutive tile pages, rows past
+a request are zero, and attention over the repacked cache equals attention over the original one. On
+CPU machines the kernel runs under the Triton interpreter; with a CUDA GPU it runs there too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_case
+
+from fpv2.kernel.reference import dense_attention
+
+try:
+    from fpv2.kernel.triton.launch import is_interpreted
+    from fpv2.kernel.triton.tile_repack import (
+        TILE_TOKENS,
+        repack_to_tile_pages,
+        tile_pages_per_request,
+        tile_repack_bytes,
+    )
+except ImportError:  # pragma: no cover - triton is an extra
+    repack_to_tile_pages = None
+DEVICE = (
+    None
+    if repack_to_tile_pages is None
+    else "cpu"
+    if is_interpreted()
+    else "cuda"
+    if torch.cuda.is_available()
+    else None
+)
+needs_kernel = pytest.mark.skipif(
+    DEVICE is None, reason="needs Triton and a CUDA GPU, or TRITON_INTERPRET=1 before triton is imported"
+)
+
+#: (seqlens_q, seqlens_k, page_size, Hkv, d): one token, exact tiles, ragged tails, a prefix, an empty
+#: request between others, a page size that is not a power of two, and a row (Hkv * d) that is not either.
+CASES = [
+    ([1], [1], 1, 2, 64),
+    ([300], [300], 1, 2, 64),
+    ([128, 5, 200], [256, 5, 331], 16, 2, 64),
+    ([40, 0, 129], [40, 0, 129], 24, 3, 64),
+    ([70], [500], 64, 1, 128),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("seqlens_q", "seqlens_k", "page_size", "num_kv_heads", "head_dim"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tokens_land_in_their_tile_rows_and_tails_are_zero(
+    seqlens_q: list[int], seqlens_k: list[int], page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    case = make_case(
+        seqlens_q,
+        seqlens_k,
+        num_q_heads=2 * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        device=DEVICE,
+        seed=sum(seqlens_k) + page_size,
+    )
+    packed = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    pages = [-(-n // TILE_TOKENS) for n in seqlens_k]
+    assert tile_pages_per_request(case.batch) == pages
+    total = max(sum(pages), 1)
+    assert packed.k_cache.shape == (total, TILE_TOKENS, num_kv_heads, head_dim) and packed.k_cache.is_contiguous()
+    assert packed.v_cache.shape == packed.k_cache.shape and packed.k_cache.dtype == dtype
+    assert tile_repack_bytes(case.k_cache, case.batch) == 2 * sum(pages) * TILE_TOKENS * num_kv_heads * head_dim * (
+        case.k_cache.element_size()
+    )
+    batch = packed.batch
+    assert batch.page_size == TILE_TOKENS and batch.num_pages == total
+    assert batch.cu_seqlens_q is case.batch.cu_seqlens_q and batch.seqlens_k is case.batch.seqlens_k
+    batch.validate_values()  # every used page id within the repacked cache
+    k_rows = packed.k_cache.reshape(-1, num_kv_heads, head_dim).float().cpu()
+    v_rows = packed.v_cache.reshape(-1, num_kv_heads, head_dim).float().cpu()
+    table = batch.page_table.cpu()
+    start = 0
+    for b, kv_len in enumerate(seqlens_k):
+        assert table[b, : pages[b]].tolist() == list(range(start, start + pages[b]))
+        rows = slice(start * TILE_TOKENS, start * TILE_TOKENS + kv_len)
+        torch.testing.assert_close(k_rows[rows], case.keys[b].float().cpu(), rtol=0, atol=0)
+        torch.testing.assert_close(v_rows[rows], case.values[b].float().cpu(), rtol=0, atol=0)
+        tail = slice(start * TILE_TOKENS + kv_len, (start + pages[b]) * TILE_TOKENS)
+        assert bool((k_rows[tail] == 0).all()) and bool((v_rows[tail] == 0).all())
+        start += pages[b]
+
+
+@needs_kernel
+def test_attention_over_the_repacked_cache_equals_the_original() -> None:
+    case = make_case([90, 250], [90, 400], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=1, device=DEVICE)
+    packed = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    want = dense_attention(case.q, case.k_cache, case.v_cache, case.batch)
+    got = dense_attention(case.q, packed.k_cache, packed.v_cache, packed.batch)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@needs_kernel
+def test_bad_caches_are_refused_with_their_name() -> None:
+    case = make_case([20], [20], page_size=4, device=DEVICE)
+    with pytest.raises(TypeError, match="v_cache must match k_cache"):
+        repack_to_tile_pages(case.k_cache, case.v_cache.half(), case.batch)
+    with pytest.raises(ValueError, match=r"k_cache: the copy reads .* head stride d"):
+        repack_to_tile_pages(case.k_cache.transpose(2, 3), case.v_cache, case.batch)
+    with pytest.raises(ValueError, match=r"v_cache must be \(num_pages, page_size, Hkv, d\)"):
+        repack_to_tile_pages(case.k_cache, case.v_cache[0], case.batch)
+    halves = case.k_cache.reshape(-1, 2, *case.k_cache.shape[2:])  # the same tokens in pages of 2
+    with pytest.raises(ValueError, match="pages of 2 tokens, the batch says page_size=4"):
+        repack_to_tile_pages(halves, halves, case.batch)

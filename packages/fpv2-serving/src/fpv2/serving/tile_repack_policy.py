@@ -1,0 +1,73 @@
+"""When the Hopper backend copies a small-page cache into tile pages before its kernel.
+
+Pages that are not a multiple of the kernel's 128-token KV tile (page size 1 is
+SGLang's default) make the kernel gather K/V rows with cp.async, slower than its
+TMA path; :func:`fpv2.kernel.triton.tile_repack.repack_to_tile_pages` copies the
+call's keys and values once into 128-token pages so the kernel runs the TMA path
+instead. The copy costs one read and one write of the call's KV (and that much
+device memory while the kernel runs); the gather's extra cost grows with the
+query tiles that read each block. So the copy is made when a call's queries are
+at least :data:`MIN_QUERY_SHARE` of its keys (a whole prompt, or a large chunk
+of it) and not for short chunks after a long cached prefix.
+
+``FPV2_HOPPER_REPACK`` overrides the rule: ``auto`` (default), ``1`` (always for
+small pages) or ``0`` (never). The copy is a Triton kernel: without Triton,
+``auto`` keeps the gather and ``1`` is refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from fpv2.kernel import PagedPrefillBatch
+
+#: Environment variable that overrides the rule.
+REPACK_ENV = "FPV2_HOPPER_REPACK"
+#: Queries per key from which ``auto`` copies: whole prompts (1.0) and chunks of at least half the KV.
+MIN_QUERY_SHARE = 0.5
+_MODES = ("auto", "0", "1")
+
+
+def repack_mode() -> str:
+    """The mode from ``FPV2_HOPPER_REPACK``: ``"auto"`` when unset or empty, else ``"0"`` or ``"1"``.
+
+    Raises:
+        ValueError: any other value (named with the accepted ones).
+    """
+    value = os.environ.get(REPACK_ENV, "") or "auto"
+    if value not in _MODES:
+        raise ValueError(f"environment {REPACK_ENV}={value!r}: expected one of {', '.join(map(repr, _MODES))}")
+    return value
+
+
+def should_repack(batch: PagedPrefillBatch, kv_tile: int, mode: str | None = None) -> bool:
+    """Whether a call on ``batch`` copies its KV into ``kv_tile``-token pages first.
+
+    Args:
+        batch: the call's batch (its cached host view gives the lengths).
+        kv_tile: the kernel's KV tile; pages that are a multiple of it are never copied.
+        mode: ``"auto"``, ``"0"`` or ``"1"``; None reads :func:`repack_mode`.
+
+    Returns:
+        True when the copy is made.
+
+    Raises:
+        ValueError: an unknown mode.
+        ImportError: mode ``"1"`` without Triton installed.
+    """
+    if mode is None:
+        mode = repack_mode()
+    elif mode not in _MODES:
+        raise ValueError(f"repack mode must be one of {', '.join(map(repr, _MODES))}; got {mode!r}")
+    if batch.page_size % kv_tile == 0 or mode == "0":
+        return False
+    has_triton = importlib.util.find_spec("triton") is not None
+    if mode == "1":
+        if not has_triton:
+            raise ImportError(f"{REPACK_ENV}=1: the tile repack is a Triton kernel; install triton")
+        return True
+    if not has_triton:
+        return False
+    host = batch.host
+    return host.cu_seqlens_q[-1] >= MIN_QUERY_SHARE * sum(host.seqlens_k)

@@ -1,0 +1,101 @@
+"""When the Hopper backend copies small pages into tile pages (``fpv2.serving.tile_repack_policy``).
+
+The rule reads only the batch's host view: tests build batches on the CPU. The GPU test at the end runs
+the Hopper backend at page size 1 with the copy forced on and off and compares both with the fp32
+reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fpv2.kernel import PagedPrefillBatch
+from fpv2.serving import tile_repack_policy
+from fpv2.serving.tile_repack_policy import MIN_QUERY_SHARE, REPACK_ENV, repack_mode, should_repack
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _batch(seqlens_q: list[int], seqlens_k: list[int], page_size: int) -> PagedPrefillBatch:
+    return PagedPrefillBatch.contiguous(seqlens_q, seqlens_k, page_size=page_size)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the copy is a Triton kernel")
+def test_auto_copies_small_pages_of_whole_prompts_only() -> None:
+    assert should_repack(_batch([32768], [32768], 1), 128, "auto")
+    assert should_repack(_batch([100, 3000], [100, 3000], 16), 128, "auto")
+    # A chunk after a long cached prefix reads each block for few tiles: no copy.
+    assert not should_repack(_batch([8192], [131072], 1), 128, "auto")
+    # The share is counted over the whole batch, at the boundary included.
+    share = int(MIN_QUERY_SHARE * 4096)
+    assert should_repack(_batch([share], [4096], 1), 128, "auto")
+    assert not should_repack(_batch([share - 1], [4096], 1), 128, "auto")
+    # Pages that are a multiple of the tile never need it, whatever the mode.
+    for mode in ("auto", "1", "0"):
+        assert not should_repack(_batch([4096], [4096], 256), 128, mode)
+        assert not should_repack(_batch([4096], [4096], 128), 128, mode)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the copy is a Triton kernel")
+def test_modes_force_the_copy_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = _batch([128], [131072], 1)
+    whole = _batch([4096], [4096], 1)
+    assert should_repack(chunk, 128, "1") and not should_repack(whole, 128, "0")
+    monkeypatch.setenv(REPACK_ENV, "1")
+    assert repack_mode() == "1" and should_repack(chunk, 128)
+    monkeypatch.setenv(REPACK_ENV, "0")
+    assert not should_repack(whole, 128)
+    monkeypatch.setenv(REPACK_ENV, "")
+    assert repack_mode() == "auto" and should_repack(whole, 128)
+
+
+def test_unknown_modes_are_refused_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(REPACK_ENV, "yes")
+    with pytest.raises(ValueError, match=r"FPV2_HOPPER_REPACK='yes': expected one of 'auto', '0', '1'"):
+        should_repack(_batch([64], [64], 1), 128)
+    with pytest.raises(ValueError, match="repack mode must be one of"):
+        should_repack(_batch([64], [64], 1), 128, "always")
+
+
+def test_without_triton_auto_keeps_the_gather_and_1_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        tile_repack_policy.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    assert not should_repack(_batch([4096], [4096], 1), 128, "auto")
+    with pytest.raises(ImportError, match="FPV2_HOPPER_REPACK=1: the tile repack is a Triton kernel"):
+        should_repack(_batch([4096], [4096], 1), 128, "1")
+
+
+def _hopper_runs_here() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    from fpv2.serving.backends import HopperBackend
+
+    return HopperBackend().available()[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.skipif(not _hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+def test_hopper_backend_at_page_1_matches_the_reference_with_and_without_the_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fpv2.kernel.reference import dense_attention
+    from fpv2.kernel.testing.workloads import planted_workload
+    from fpv2.serving import SparsePrefillPipeline
+
+    wl = planted_workload([1000, 3000], num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=1, device="cuda")
+    want = dense_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    outs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(REPACK_ENV, mode)
+        pipeline = SparsePrefillPipeline(strategy="dense", correction=False, backend="hopper")
+        outs[mode] = pipeline(wl.q, wl.k_cache, wl.v_cache, wl.batch).out.float()
+        err = ((outs[mode] - want).norm() / want.norm()).item()
+        assert err < 1e-2, (mode, err)
+    # Both paths compute the same exact attention from the same bf16 values.
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=0, atol=2e-2)
