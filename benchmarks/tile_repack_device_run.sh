@@ -2,9 +2,11 @@
 # Device run of the tile repack at page size 1 (fpv2.kernel.triton.tile_repack, chosen by
 # fpv2.serving.tile_repack_policy), from the repository root, with the library built on the development machine.
 #
-#   benchmarks/tile_repack_device_run.sh   the repack's own GPU time (32K, 128K, 4 x 128K), the planted pipeline at
-#                                          page 1 with FPV2_HOPPER_REPACK=auto / 0 / auto at 128K and 32K, 4 x 128K
+#   benchmarks/tile_repack_device_run.sh [all]  the repack's own GPU time (32K, 128K, 4 x 128K), the planted pipeline
+#                                          at page 1 with FPV2_HOPPER_REPACK=auto / 0 / auto at 128K and 32K, 4 x 128K
 #                                          with auto, then the GPU tests of the repack and its policy
+#   benchmarks/tile_repack_device_run.sh sweep  the repack's (tokens, warps) sweep at 32K and 128K, the 128K pipeline
+#                                          auto / 0 / auto and 32K auto / 0, then the GPU tests
 #
 # Prediction (written before the run): the repack moves 2 x 0.54 GB at 128K (K and V read once and written once),
 # 0.3-0.4 ms at 3-3.5 TB/s; the kernel then runs the TMA path (corrected 128K at page 128: 11.2-11.5 ms eager
@@ -18,20 +20,31 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start tile-repack "${1:-all}" "${REPACK_BIN:-.carry/head}"
 RESULTS="$OUT"
 
-with_packages timeout 120 python3 benchmarks/tile_repack_speed.py --lengths 32768 131072 --batch 1 4 \
-  --out "$RESULTS/repack-speed.json" > "$LOGS/repack-speed.log" 2>&1
-echo "repack speed: rc=$?"
-cut -c1-160 "$LOGS/repack-speed.log"
+if [ "$PART" = sweep ]; then
+  with_packages timeout 150 python3 benchmarks/tile_repack_speed.py --lengths 32768 131072 --batch 1 --sweep \
+    --out "$RESULTS/repack-sweep.json" > "$LOGS/repack-sweep.log" 2>&1
+  echo "repack sweep: rc=$?"
+  cut -c1-200 "$LOGS/repack-sweep.log"
+else
+  with_packages timeout 120 python3 benchmarks/tile_repack_speed.py --lengths 32768 131072 --batch 1 4 \
+    --out "$RESULTS/repack-speed.json" > "$LOGS/repack-speed.log" 2>&1
+  echo "repack speed: rc=$?"
+  cut -c1-160 "$LOGS/repack-speed.log"
+fi
 for L in 131072 32768; do
   round=0
-  for mode in auto 0 auto; do
+  modes="auto 0 auto"
+  [ "$PART" = sweep ] && [ "$L" = 32768 ] && modes="auto 0"
+  for mode in $modes; do
     round=$((round + 1))
     export FPV2_HOPPER_REPACK="$mode"
     bench_row 1 "$L" "bench-page1-$L-repack-$mode-$round" 90 --page-size 1 --backend hopper
   done
 done
-export FPV2_HOPPER_REPACK=auto
-bench_row 4 131072 bench-page1-4x131072-repack-auto 200 --page-size 1 --backend hopper
+if [ "$PART" != sweep ]; then
+  export FPV2_HOPPER_REPACK=auto
+  bench_row 4 131072 bench-page1-4x131072-repack-auto 200 --page-size 1 --backend hopper
+fi
 with_packages timeout 150 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_tile_repack.py \
   packages/fpv2-serving/tests/test_tile_repack_policy.py > "$LOGS/pytest-repack.log" 2>&1
 echo "repack GPU tests: rc=$? $(tail -1 "$LOGS/pytest-repack.log")"

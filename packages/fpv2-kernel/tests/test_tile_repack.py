@@ -51,9 +51,15 @@ CASES = [
 
 @needs_kernel
 @pytest.mark.parametrize(("seqlens_q", "seqlens_k", "page_size", "num_kv_heads", "head_dim"), CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("dtype", "tokens"), [(torch.float32, 16), (torch.float16, 64)])
 def test_tokens_land_in_their_tile_rows_and_tails_are_zero(
-    seqlens_q: list[int], seqlens_k: list[int], page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    seqlens_q: list[int],
+    seqlens_k: list[int],
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    tokens: int,
 ) -> None:
     case = make_case(
         seqlens_q,
@@ -66,7 +72,7 @@ def test_tokens_land_in_their_tile_rows_and_tails_are_zero(
         device=DEVICE,
         seed=sum(seqlens_k) + page_size,
     )
-    packed = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    packed = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch, tokens_per_program=tokens)
     pages = [-(-n // TILE_TOKENS) for n in seqlens_k]
     assert tile_pages_per_request(case.batch) == pages
     total = max(sum(pages), 1)
@@ -112,6 +118,9 @@ def test_bad_caches_are_refused_with_their_name() -> None:
         repack_to_tile_pages(case.k_cache.transpose(2, 3), case.v_cache, case.batch)
     with pytest.raises(ValueError, match=r"v_cache must be \(num_pages, page_size, Hkv, d\)"):
         repack_to_tile_pages(case.k_cache, case.v_cache[0], case.batch)
+    for tokens in (0, 24, 256):
+        with pytest.raises(ValueError, match=f"tokens_per_program must be a power of two dividing 128; got {tokens}"):
+            repack_to_tile_pages(case.k_cache, case.v_cache, case.batch, tokens_per_program=tokens)
     halves = case.k_cache.reshape(-1, 2, *case.k_cache.shape[2:])  # the same tokens in pages of 2
     with pytest.raises(ValueError, match="pages of 2 tokens, the batch says page_size=4"):
         repack_to_tile_pages(halves, halves, case.batch)

@@ -32,8 +32,9 @@ from .interpreter_compat import install_interpreter_index_fix
 
 #: Tokens per tile page (the Hopper kernel's KV tile and the index's key block).
 TILE_TOKENS = 128
-#: Tokens one program copies.
+#: Tokens one program copies, and its warps (defaults; ``benchmarks/tile_repack_speed.py --sweep`` times others).
 TOKENS_PER_PROGRAM = 16
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -45,7 +46,8 @@ def tile_repack_kernel(
     PageTable,
     page_table_stride,
     SeqlensK,
-    TileEnds,
+    TileTable,
+    tile_table_stride,
     num_requests,
     page_size,
     k_token_stride,
@@ -55,15 +57,25 @@ def tile_repack_kernel(
     TILE: tl.constexpr,
     TOKENS: tl.constexpr,
 ):
-    """Tokens ``part * TOKENS ..`` of tile page ``pid``: ``ROW`` = Hkv * d elements a token, zeros past the request."""
+    """Tokens ``part * TOKENS ..`` of tile page ``pid``: ``ROW`` = Hkv * d elements a token, zeros past the request.
+
+    The first program of each tile page also writes its entry of the tile page table (request ``b``'s page
+    ``j`` is tile page ``first[b] + j``), so the host launches nothing else.
+    """
     pid = tl.program_id(0)
     part = tl.program_id(1)
-    # Request b owns tile pages TileEnds[b - 1] .. TileEnds[b] - 1.
+    # Request b owns tile pages first .. first + ceil(seqlens_k[b] / TILE) - 1, after the earlier requests'.
     b = pid * 0
+    first = pid * 0
+    end = pid * 0  # tile pages of requests 0 .. i
     for i in range(num_requests):
-        b += (pid >= tl.load(TileEnds + i)).to(tl.int32)
-    first = tl.load(TileEnds + b - 1, mask=b > 0, other=0)
+        end += (tl.load(SeqlensK + i) + TILE - 1) // TILE
+        past = pid >= end
+        b += past.to(tl.int32)
+        first = tl.where(past, end, first)
     kv_len = tl.load(SeqlensK + b)
+    if part == 0:
+        tl.store(TileTable + b.to(tl.int64) * tile_table_stride + (pid - first), pid)
     local = part * TOKENS + tl.arange(0, TOKENS)
     token = (pid - first) * TILE + local
     valid = token < kv_len
@@ -114,7 +126,14 @@ def tile_repack_bytes(k_cache: torch.Tensor, batch: PagedPrefillBatch) -> int:
     return 2 * sum(tile_pages_per_request(batch)) * TILE_TOKENS * num_kv_heads * head_dim * k_cache.element_size()
 
 
-def repack_to_tile_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch) -> TileRepacked:
+def repack_to_tile_pages(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    *,
+    tokens_per_program: int = TOKENS_PER_PROGRAM,
+    num_warps: int = NUM_WARPS,
+) -> TileRepacked:
     """Copy the batch's keys and values into 128-token pages (see the module docstring).
 
     Args:
@@ -123,14 +142,19 @@ def repack_to_tile_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Pa
             pages contiguous when ``page_size > 1``.
         v_cache: paged values, same shape and dtype.
         batch: the batch metadata (its host view gives the grid: one sync on first use, cached).
+        tokens_per_program: tokens one program copies (a power of two dividing 128).
+        num_warps: warps per program.
 
     Returns:
         The :class:`TileRepacked` copies and batch.
 
     Raises:
         TypeError: the caches are not tensors or differ in dtype.
-        ValueError: shapes or strides the copy cannot read, or caches on another device than the batch.
+        ValueError: shapes or strides the copy cannot read, caches on another device than the batch, or
+            ``tokens_per_program`` not a power of two dividing 128.
     """
+    if tokens_per_program <= 0 or TILE_TOKENS % tokens_per_program or tokens_per_program & (tokens_per_program - 1):
+        raise ValueError(f"tokens_per_program must be a power of two dividing {TILE_TOKENS}; got {tokens_per_program}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(cache, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(cache).__name__}")
@@ -166,14 +190,11 @@ def repack_to_tile_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Pa
     shape = (max(total, 1), TILE_TOKENS, num_kv_heads, head_dim)
     k_tiles = torch.empty(shape, dtype=k_cache.dtype, device=device)
     v_tiles = torch.empty(shape, dtype=k_cache.dtype, device=device)
-    # Request b's tile pages start where request b - 1's end: computed on the device from the lengths.
-    tiles = (batch.seqlens_k.to(torch.int64) + TILE_TOKENS - 1) // TILE_TOKENS
-    ends = torch.cumsum(tiles, 0)
-    max_tiles = max(max(pages, default=0), 1)
-    table = ((ends - tiles)[:, None] + torch.arange(max_tiles, device=device)[None, :]).to(torch.int32)
+    # Entries past a request's last tile page are never read (the batch contract): the kernel writes the rest.
+    table = torch.empty((batch.num_requests, max(max(pages, default=0), 1)), dtype=torch.int32, device=device)
     if total > 0:
         row = num_kv_heads * head_dim
-        grid = (total, TILE_TOKENS // TOKENS_PER_PROGRAM)
+        grid = (total, TILE_TOKENS // tokens_per_program)
         tile_repack_kernel[grid](
             k_cache,
             v_cache,
@@ -182,7 +203,8 @@ def repack_to_tile_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Pa
             batch.page_table,
             batch.page_table.stride(0),
             batch.seqlens_k,
-            ends.to(torch.int32),
+            table,
+            table.stride(0),
             batch.num_requests,
             batch.page_size,
             k_cache.stride(1),
@@ -190,8 +212,8 @@ def repack_to_tile_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Pa
             ROW=row,
             ROW_P2=triton.next_power_of_2(row),
             TILE=TILE_TOKENS,
-            TOKENS=TOKENS_PER_PROGRAM,
-            num_warps=4,
+            TOKENS=tokens_per_program,
+            num_warps=num_warps,
         )
     repacked = PagedPrefillBatch(
         cu_seqlens_q=batch.cu_seqlens_q,
