@@ -56,6 +56,21 @@ def test_each_call_goes_to_the_backend_that_serves_it():
     assert "triton" in backend.available()[1]
 
 
+def test_the_kv_layout_of_the_backend_that_ran_is_reported():
+    primary, fallback = Recording("hopper", page=128), Recording("triton")
+    backend = FallbackBackend(primary, fallback)
+    assert backend.last_kv_layout is None  # no call yet
+    q = torch.zeros(4, 2, 8)
+    primary.last_kv_layout = "tile-repack"
+    backend.run(q, None, None, _batch(128), "index", None, softmax_scale=None)
+    assert backend.last_kv_layout == "tile-repack"
+    backend.run(q, None, None, _batch(1), "index", None, softmax_scale=None)
+    assert backend.last_kv_layout is None  # the fallback records none
+    fallback.last_kv_layout = "paged"
+    backend.run(q, None, None, _batch(1), "index", None, softmax_scale=None)
+    assert backend.last_kv_layout == "paged"
+
+
 def test_auto_wraps_a_partial_backend_but_a_named_one_is_used_as_is(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", {})
     primary, fallback = Recording("hopper", page=128), Recording("triton")

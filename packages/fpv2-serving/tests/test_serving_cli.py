@@ -81,6 +81,8 @@ def test_bench_tiny_cpu_writes_results_summary_and_png(tmp_path, capsys):
     assert impls.count("fpv2-sparse/reference") == 2 and impls.count("fpv2-index") == 2
     dense = next(r for r in summary if r["impl"] == "fpv2-dense/reference")
     assert dense["density"] == pytest.approx(1.0) and dense["rel_err"] < 1e-5
+    # The reference reads the paged cache as it is and records no layout: the field says so, it is not guessed.
+    assert all(r["kv_layout"] is None for r in summary if r["impl"] != "fpv2-index")
     sparse = [r for r in summary if r["impl"] == "fpv2-sparse/reference"]
     assert [r["alpha"] for r in sparse] == [0.1, 0.3]
     for r in sparse:

@@ -250,6 +250,9 @@ class HopperBackend:
     kv_tile = BLOCK_SIZE
     #: The loaded library's built head dims, read on the first ``serves`` (None until then).
     _head_dims: tuple[int, ...] | None = None
+    #: How the last call's K/V reached the kernel: ``"paged"`` (the caller's cache) or ``"tile-repack"``
+    #: (copied into 128-token pages first); None before the first call.
+    last_kv_layout: str | None = None
 
     def serves(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
@@ -372,6 +375,9 @@ class HopperBackend:
 
             packed = repack_to_tile_pages(k_cache, v_cache, batch)
             k_cache, v_cache, batch = packed.k_cache, packed.v_cache, packed.batch
+            self.last_kv_layout = "tile-repack"
+        else:
+            self.last_kv_layout = "paged"
         out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
         return hopper_prefill(
             q,

@@ -148,6 +148,11 @@ def _kernel_that_ran(backend: object) -> str:
     return choice[0] if choice else str(getattr(backend, "name", backend))
 
 
+def _kv_layout_that_ran(backend: object) -> str | None:
+    """How the last call's K/V reached the kernel (``paged`` or ``tile-repack``), for backends that record it."""
+    return getattr(backend, "last_kv_layout", None)
+
+
 @dataclass
 class _Measured:
     """The samples of one row: eager (host time the GPU waits for included) and host-ahead (GPU only)."""
@@ -312,6 +317,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             {
                 **common,
                 "impl": f"fpv2-dense/{_kernel_that_ran(backend)}",
+                "kv_layout": _kv_layout_that_ran(backend),
                 "strategy": DENSE_STRATEGY,
                 "alpha": None,
                 "correction": False,
@@ -381,6 +387,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             row = {
                 **common,
                 "impl": f"fpv2-sparse/{_kernel_that_ran(backend)}",
+                "kv_layout": _kv_layout_that_ran(backend),
                 "strategy": cfg.strategy,
                 "alpha": alpha,
                 "correction": correction,

@@ -51,6 +51,14 @@ class FallbackBackend:
     def __repr__(self) -> str:
         return f"FallbackBackend(primary={self.primary.name!r}, fallback={self.fallback.name!r})"
 
+    @property
+    def last_kv_layout(self) -> str | None:
+        """The ``last_kv_layout`` of the backend that served the most recent call (None if it records none)."""
+        if self.last_choice is None:
+            return None
+        chosen = self.primary if self.last_choice[0] == self.primary.name else self.fallback
+        return getattr(chosen, "last_kv_layout", None)
+
     def available(self) -> tuple[bool, str]:
         """Available when the primary is (the fallback is only used per call).
 

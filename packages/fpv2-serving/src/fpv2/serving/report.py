@@ -40,6 +40,7 @@ SUMMARY_EXTRAS = (
     "gpu_correction_ms",
     "gpu_attention_ms",
     "gpu_speedup",
+    "kv_layout",
 )
 
 
