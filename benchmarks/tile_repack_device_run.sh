@@ -7,6 +7,9 @@
 #                                          with auto, then the GPU tests of the repack and its policy
 #   benchmarks/tile_repack_device_run.sh sweep  the repack's (tokens, warps) sweep at 32K and 128K, the 128K pipeline
 #                                          auto / 0 / auto and 32K auto / 0, then the GPU tests
+#   benchmarks/tile_repack_device_run.sh prefix  chunks of 4K-64K queries after a 128K KV, copy forced on and off
+#                                          (benchmarks/tile_repack_prefix.py): where the policy's threshold should be.
+#                                          Prediction: the copy (0.34 ms) pays from a quarter to a half of the keys
 #
 # Prediction (written before the run): the repack moves 2 x 0.54 GB at 128K (K and V read once and written once),
 # 0.3-0.4 ms at 3-3.5 TB/s; the kernel then runs the TMA path (corrected 128K at page 128: 11.2-11.5 ms eager
@@ -20,6 +23,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start tile-repack "${1:-all}" "${REPACK_BIN:-.carry/head}"
 RESULTS="$OUT"
 
+if [ "$PART" = prefix ]; then
+  with_packages timeout 200 python3 benchmarks/tile_repack_prefix.py --seqlen 131072 --chunks 4096 16384 32768 65536 \
+    --repeats 8 --out "$RESULTS/repack-prefix.json" > "$LOGS/repack-prefix.log" 2>&1
+  echo "repack prefix: rc=$?"
+  cut -c1-220 "$LOGS/repack-prefix.log"
+  exit 0
+fi
 if [ "$PART" = sweep ]; then
   with_packages timeout 150 python3 benchmarks/tile_repack_speed.py --lengths 32768 131072 --batch 1 --sweep \
     --out "$RESULTS/repack-sweep.json" > "$LOGS/repack-sweep.log" 2>&1
