@@ -14,7 +14,13 @@ import torch
 
 from fpv2.kernel import PagedPrefillBatch
 from fpv2.serving import tile_repack_policy
-from fpv2.serving.tile_repack_policy import MIN_QUERY_SHARE, REPACK_ENV, repack_mode, should_repack
+from fpv2.serving.tile_repack_policy import (
+    MAX_MEMORY_SHARE,
+    MIN_QUERY_SHARE,
+    REPACK_ENV,
+    repack_mode,
+    should_repack,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -50,6 +56,25 @@ def test_modes_force_the_copy_on_and_off(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not should_repack(whole, 128)
     monkeypatch.setenv(REPACK_ENV, "")
     assert repack_mode() == "auto" and should_repack(whole, 128)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the copy is a Triton kernel")
+def test_auto_leaves_the_copy_out_when_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fpv2.kernel.triton.tile_repack import tile_repack_bytes
+
+    batch = _batch([4096], [4096], 1)
+    k_cache = torch.zeros(batch.num_pages, 1, 2, 64, dtype=torch.float16)
+    needed = tile_repack_bytes(k_cache, batch)
+    assert needed == 2 * 32 * 128 * 2 * 64 * 2
+    monkeypatch.setattr(tile_repack_policy, "repack_headroom_bytes", lambda device: int(needed / MAX_MEMORY_SHARE))
+    assert should_repack(batch, 128, "auto", k_cache=k_cache)
+    monkeypatch.setattr(tile_repack_policy, "repack_headroom_bytes", lambda device: int(needed / MAX_MEMORY_SHARE) - 1)
+    assert not should_repack(batch, 128, "auto", k_cache=k_cache)
+    assert should_repack(batch, 128, "1", k_cache=k_cache)  # forced: the caller asked for it
+    assert should_repack(batch, 128, "auto")  # no cache given: no memory check
+    monkeypatch.undo()
+    assert tile_repack_policy.repack_headroom_bytes(torch.device("cpu")) is None  # off CUDA: no limit
+    assert should_repack(batch, 128, "auto", k_cache=k_cache)
 
 
 def test_unknown_modes_are_refused_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:

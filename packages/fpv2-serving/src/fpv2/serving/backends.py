@@ -369,7 +369,7 @@ class HopperBackend:
         """
         from fpv2.kernel._native import hopper_prefill
 
-        if should_repack(batch, self.kv_tile):
+        if should_repack(batch, self.kv_tile, k_cache=k_cache):
             # Small pages: one copy of the call's KV into tile pages, then the TMA path (tile_repack_policy).
             from fpv2.kernel.triton.tile_repack import repack_to_tile_pages
 

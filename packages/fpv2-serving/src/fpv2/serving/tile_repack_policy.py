@@ -10,6 +10,12 @@ query tiles that read each block. So the copy is made when a call's queries are
 at least :data:`MIN_QUERY_SHARE` of its keys (a whole prompt, or a large chunk
 of it) and not for short chunks after a long cached prefix.
 
+Engines keep most of the device memory for their KV cache, so ``auto`` also
+leaves the copy out when its two KV copies would take more than
+:data:`MAX_MEMORY_SHARE` of the memory at hand (free to the driver plus what
+PyTorch's allocator holds unused): the call then runs the gather, as fast as
+before the copy existed, instead of failing for memory.
+
 ``FPV2_HOPPER_REPACK`` overrides the rule: ``auto`` (default), ``1`` (always for
 small pages) or ``0`` (never). The copy is a Triton kernel: without Triton,
 ``auto`` keeps the gather and ``1`` is refused.
@@ -20,13 +26,32 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 from fpv2.kernel import PagedPrefillBatch
 
 #: Environment variable that overrides the rule.
 REPACK_ENV = "FPV2_HOPPER_REPACK"
 #: Queries per key from which ``auto`` copies: whole prompts (1.0) and chunks of at least half the KV.
 MIN_QUERY_SHARE = 0.5
+#: Share of the memory at hand (:func:`repack_headroom_bytes`) the copies may take in ``auto``.
+MAX_MEMORY_SHARE = 0.5
 _MODES = ("auto", "0", "1")
+
+
+def repack_headroom_bytes(device: torch.device) -> int | None:
+    """Device memory the copies could take: free to the driver plus PyTorch's cached, unused blocks.
+
+    Args:
+        device: the cache's device.
+
+    Returns:
+        Bytes, or None off CUDA (no limit is applied there).
+    """
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def repack_mode() -> str:
@@ -41,13 +66,17 @@ def repack_mode() -> str:
     return value
 
 
-def should_repack(batch: PagedPrefillBatch, kv_tile: int, mode: str | None = None) -> bool:
+def should_repack(
+    batch: PagedPrefillBatch, kv_tile: int, mode: str | None = None, *, k_cache: torch.Tensor | None = None
+) -> bool:
     """Whether a call on ``batch`` copies its KV into ``kv_tile``-token pages first.
 
     Args:
         batch: the call's batch (its cached host view gives the lengths).
         kv_tile: the kernel's KV tile; pages that are a multiple of it are never copied.
         mode: ``"auto"``, ``"0"`` or ``"1"``; None reads :func:`repack_mode`.
+        k_cache: the call's paged keys: with it, ``auto`` also checks that the copies fit
+            (:data:`MAX_MEMORY_SHARE`); without it, the memory is not checked.
 
     Returns:
         True when the copy is made.
@@ -70,4 +99,13 @@ def should_repack(batch: PagedPrefillBatch, kv_tile: int, mode: str | None = Non
     if not has_triton:
         return False
     host = batch.host
-    return host.cu_seqlens_q[-1] >= MIN_QUERY_SHARE * sum(host.seqlens_k)
+    if host.cu_seqlens_q[-1] < MIN_QUERY_SHARE * sum(host.seqlens_k):
+        return False
+    if k_cache is None:
+        return True
+    headroom = repack_headroom_bytes(k_cache.device)
+    if headroom is None:
+        return True
+    from fpv2.kernel.triton.tile_repack import tile_repack_bytes
+
+    return tile_repack_bytes(k_cache, batch) <= MAX_MEMORY_SHARE * headroom
