@@ -33,8 +33,9 @@ def _batch(seqlens_q: list[int], seqlens_k: list[int], page_size: int) -> PagedP
 def test_auto_copies_small_pages_of_whole_prompts_only() -> None:
     assert should_repack(_batch([32768], [32768], 1), 128, "auto")
     assert should_repack(_batch([100, 3000], [100, 3000], 16), 128, "auto")
-    # A chunk after a long cached prefix reads each block for few tiles: no copy.
-    assert not should_repack(_batch([8192], [131072], 1), 128, "auto")
+    # A chunk after a long cached prefix: copied from 1/32 of the keys on (measured to pay there), not below.
+    assert should_repack(_batch([4096], [131072], 1), 128, "auto")
+    assert not should_repack(_batch([2048], [131072], 1), 128, "auto")
     # The share is counted over the whole batch, at the boundary included.
     share = int(MIN_QUERY_SHARE * 4096)
     assert should_repack(_batch([share], [4096], 1), 128, "auto")

@@ -5,10 +5,15 @@ SGLang's default) make the kernel gather K/V rows with cp.async, slower than its
 TMA path; :func:`fpv2.kernel.triton.tile_repack.repack_to_tile_pages` copies the
 call's keys and values once into 128-token pages so the kernel runs the TMA path
 instead. The copy costs one read and one write of the call's KV (and that much
-device memory while the kernel runs); the gather's extra cost grows with the
-query tiles that read each block. So the copy is made when a call's queries are
-at least :data:`MIN_QUERY_SHARE` of its keys (a whole prompt, or a large chunk
-of it) and not for short chunks after a long cached prefix.
+device memory while the kernel runs, 0.34 ms at 128K on the H200); the gather's
+extra cost grows with the query tiles that read each block, the correction's
+pooled tiles included. Measured on the H200 (2026-12-03, planted, 32/8 heads,
+d = 128, page size 1, the corrected pipeline after a 128K KV): the copy paid at
+every query share tried, 4K queries (1/32 of the keys) 2.59 against 3.14-3.34
+ms, 16K 4.01-4.05 against 4.86, 32K 5.96-6.00 against 6.94-6.99, 64K 8.79-8.89
+against 10.27-10.38. So the copy is made when a call's queries are at least
+:data:`MIN_QUERY_SHARE` (1/32, the smallest share measured) of its keys; shorter
+chunks after a long cached prefix keep the gather, unmeasured there.
 
 Engines keep most of the device memory for their KV cache, so ``auto`` also
 leaves the copy out when its two KV copies would take more than
@@ -32,8 +37,8 @@ from fpv2.kernel import PagedPrefillBatch
 
 #: Environment variable that overrides the rule.
 REPACK_ENV = "FPV2_HOPPER_REPACK"
-#: Queries per key from which ``auto`` copies: whole prompts (1.0) and chunks of at least half the KV.
-MIN_QUERY_SHARE = 0.5
+#: Queries per key from which ``auto`` copies: the smallest share at which the copy was measured to pay.
+MIN_QUERY_SHARE = 1 / 32
 #: Share of the memory at hand (:func:`repack_headroom_bytes`) the copies may take in ``auto``.
 MAX_MEMORY_SHARE = 0.5
 _MODES = ("auto", "0", "1")
