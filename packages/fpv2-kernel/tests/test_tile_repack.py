@@ -110,21 +110,6 @@ def test_attention_over_the_repacked_cache_equals_the_original() -> None:
 
 
 @needs_kernel
-def test_interleaved_pages_are_read_through_their_strides() -> None:
-    # vLLM's layout: one (num_pages, 2, page_size, Hkv, d) buffer, K and V strided views with page stride 2x.
-    case = make_case([30, 200], [30, 333], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, device=DEVICE)
-    both = torch.stack([case.k_cache, case.v_cache], dim=1).contiguous()
-    k_view, v_view = both[:, 0], both[:, 1]
-    assert k_view.stride(0) == 2 * k_view.stride(1) * 16 and not k_view.is_contiguous()
-    packed = repack_to_tile_pages(k_view, v_view, case.batch)
-    want = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
-    torch.testing.assert_close(packed.k_cache, want.k_cache, rtol=0, atol=0)
-    torch.testing.assert_close(packed.v_cache, want.v_cache, rtol=0, atol=0)
-    k_rows = packed.k_cache.reshape(-1, 2, 64).float().cpu()
-    torch.testing.assert_close(k_rows[128 * 1 : 128 * 1 + 333], case.keys[1].float().cpu(), rtol=0, atol=0)
-
-
-@needs_kernel
 def test_bad_caches_are_refused_with_their_name() -> None:
     case = make_case([20], [20], page_size=4, device=DEVICE)
     with pytest.raises(TypeError, match="v_cache must match k_cache"):
