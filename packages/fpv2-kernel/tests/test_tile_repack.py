@@ -109,12 +109,44 @@ def test_attention_over_the_repacked_cache_equals_the_original() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _strided_views(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same K/V as views of one buffer in an engine's physical layout (values equal, strides not)."""
+    if layout == "kv-pages":  # (num_pages, 2, page_size, Hkv, d): K and V pages interleaved, page stride 2x
+        both = torch.stack([k_cache, v_cache], dim=1).contiguous()
+        return both[:, 0], both[:, 1]
+    # vLLM 0.33: one (num_pages, Hkv, page_size, 2 d) buffer per layer, token-major (NHD) or head-major (HND)
+    # inside a page, read as transpose(1, 2).split(d, -1): head stride 2 d (NHD) or page_size * 2 d (HND).
+    both = torch.cat([k_cache, v_cache], dim=-1)
+    if layout == "vllm-hnd":
+        both = both.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        both = both.contiguous()
+    head_dim = k_cache.shape[-1]
+    return both[..., :head_dim], both[..., head_dim:]
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["kv-pages", "vllm-nhd", "vllm-hnd"])
+def test_strided_views_of_one_buffer_are_read_through_their_strides(layout: str) -> None:
+    case = make_case([30, 200], [30, 333], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, device=DEVICE)
+    k_view, v_view = _strided_views(case.k_cache, case.v_cache, layout)
+    torch.testing.assert_close(k_view, case.k_cache, rtol=0, atol=0, equal_nan=True)  # spare slots are NaN
+    assert not k_view.is_contiguous()
+    assert (k_view.stride(2) == 64) == (layout == "kv-pages")  # the vLLM views' heads are not dense rows
+    packed = repack_to_tile_pages(k_view, v_view, case.batch)
+    want = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    torch.testing.assert_close(packed.k_cache, want.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(packed.v_cache, want.v_cache, rtol=0, atol=0)
+    k_rows = packed.k_cache.reshape(-1, 2, 64).float().cpu()
+    torch.testing.assert_close(k_rows[128 * 1 : 128 * 1 + 333], case.keys[1].float().cpu(), rtol=0, atol=0)
+
+
 @needs_kernel
 def test_bad_caches_are_refused_with_their_name() -> None:
     case = make_case([20], [20], page_size=4, device=DEVICE)
     with pytest.raises(TypeError, match="v_cache must match k_cache"):
         repack_to_tile_pages(case.k_cache, case.v_cache.half(), case.batch)
-    with pytest.raises(ValueError, match=r"k_cache: the copy reads .* head stride d"):
+    with pytest.raises(ValueError, match=r"k_cache: the copy reads each head's d values as one run"):
         repack_to_tile_pages(case.k_cache.transpose(2, 3), case.v_cache, case.batch)
     with pytest.raises(ValueError, match=r"v_cache must be \(num_pages, page_size, Hkv, d\)"):
         repack_to_tile_pages(case.k_cache, case.v_cache[0], case.batch)

@@ -115,6 +115,33 @@ def test_hopper_backend_sends_caches_it_cannot_read_as_rows_to_the_fallback():
         assert "head stride d" in registry.HopperBackend().serves(q, head_major.cuda(), _batch(128), None)
 
 
+def test_hopper_backend_takes_caches_only_the_tile_repack_reads_when_the_copy_is_made(monkeypatch):
+    pytest.importorskip("triton")
+    from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views
+
+    hopper = registry.HopperBackend()
+    # vLLM 0.33's per-layer buffer (num_blocks, Hkv, block_size, 2 d) read as K/V views: head stride 2 d.
+    k_view, _ = kv_cache_views(torch.zeros(8, 2, 16, 256, dtype=torch.bfloat16), 128)
+    assert "head stride d" in hopper._cache_layout_problem(k_view)
+    whole_prompt = PagedPrefillBatch.contiguous([100], [100], page_size=16)
+    monkeypatch.setenv("FPV2_HOPPER_REPACK", "auto")
+    assert hopper._copy_reads(k_view, whole_prompt) and hopper._copies(k_view, whole_prompt)
+    # A short chunk after a long prefix keeps the gather, which cannot read the view: the fallback runs it.
+    short_chunk = PagedPrefillBatch.contiguous([2], [100], page_size=16)
+    assert not hopper._copy_reads(k_view, short_chunk)
+    monkeypatch.setenv("FPV2_HOPPER_REPACK", "0")
+    assert not hopper._copy_reads(k_view, whole_prompt)
+    monkeypatch.setenv("FPV2_HOPPER_REPACK", "1")
+    assert not hopper._copy_reads(k_view.transpose(2, 3), whole_prompt)  # no unit element stride: no copy either
+    tile_view, _ = kv_cache_views(torch.zeros(2, 2, 128, 256, dtype=torch.bfloat16), 128)
+    tile_batch = PagedPrefillBatch.contiguous([100], [100], page_size=128)
+    assert not hopper._copy_reads(tile_view, tile_batch)  # tile pages are never copied
+    if torch.cuda.is_available():
+        q = torch.zeros(100, 4, 128, dtype=torch.bfloat16, device="cuda")
+        assert hopper.serves(q, k_view.cuda(), whole_prompt.to("cuda"), None) is None
+        assert "head stride d" in hopper.serves(q, tile_view.cuda(), tile_batch.to("cuda"), None)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fallback_backend_matches_the_fallback_alone_on_pages_it_does_not_serve(page_size):
     # Through the real pipeline: the reference stands in for the portable backend.

@@ -26,6 +26,7 @@ from fpv2.kernel import BLOCK_SIZE, BlockIndex, CorrectionPlan, PagedPrefillBatc
 
 from .fallback_backend import FallbackBackend
 from .tile_repack_policy import should_repack
+from .tile_repack_staging import StagedTileRepack, stage_tile_repack
 
 #: Name that asks for the best available backend.
 AUTO = "auto"
@@ -33,7 +34,13 @@ AUTO = "auto"
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """What the pipeline needs from an attention implementation."""
+    """What the pipeline needs from an attention implementation.
+
+    A backend may also offer ``prepare(q, k_cache, v_cache, batch)``: the pipeline calls it
+    once the pooling launch is issued and before the index is built, to start work that needs
+    only the K/V (the Hopper backend's tile repack), and ``release_staged()``, called when the
+    call fails before ``run``.
+    """
 
     name: str
 
@@ -253,6 +260,14 @@ class HopperBackend:
     #: How the last call's K/V reached the kernel: ``"paged"`` (the caller's cache) or ``"tile-repack"``
     #: (copied into 128-token pages first); None before the first call.
     last_kv_layout: str | None = None
+    #: Whether :meth:`prepare` issues the tile repack on a side stream under the index stage (False: the
+    #: copy runs in :meth:`run`, in front of the kernel).
+    overlap_repack: bool = True
+    #: Where the last call's tile repack ran: ``"side-stream"`` (issued by :meth:`prepare`), ``"inline"``
+    #: (in :meth:`run`), or None (no copy).
+    last_repack_stream: str | None = None
+    _staged: StagedTileRepack | None = None
+    _side_streams: dict[torch.device, torch.cuda.Stream] | None = None
 
     def serves(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
@@ -262,10 +277,13 @@ class HopperBackend:
         Every page size is served: TMA for multiples of the 128-token tile,
         the cp.async gather otherwise (page size 1 included), which measured
         faster than the Triton kernel on the H200 (128K pipeline 16.5 against
-        24.1 ms, 2026-12-03, see ``benchmarks/NOTES.md``). Caches the kernel cannot read as one
-        ``(num_pages * page_size, Hkv * d)`` row-major matrix (for example the
-        head-major K/V of a transformers layer) go to the fallback. The
-        library refuses what it cannot run at all (dtype, head dim).
+        24.1 ms, 2026-12-03, see ``benchmarks/NOTES.md``), or the tile repack
+        in front of the TMA path where :func:`should_repack` says so. Caches the
+        kernel cannot read as one ``(num_pages * page_size, Hkv * d)`` row-major
+        matrix (vLLM's K/V views, the head-major K/V of a transformers layer)
+        are served when the tile repack copies them (small pages, unit element
+        stride) and go to the fallback otherwise. The library refuses what it
+        cannot run at all (dtype, head dim).
 
         Args:
             q: the queries.
@@ -289,7 +307,7 @@ class HopperBackend:
                 f"got {q.shape[-1]}"
             )
         layout = self._cache_layout_problem(k_cache)
-        if layout is not None:
+        if layout is not None and not self._copy_reads(k_cache, batch):
             return layout
         if index is not None and index.block_size != self.kv_tile:
             return f"the Hopper kernel visits 128-token blocks; got index.block_size={index.block_size}"
@@ -303,6 +321,26 @@ class HopperBackend:
 
             built = self._head_dims = hopper_head_dims()
         return built
+
+    def _copy_reads(self, k_cache: torch.Tensor, batch: PagedPrefillBatch) -> bool:
+        """Whether the tile repack will carry a cache the kernel cannot read as it is (for example vLLM's K/V views).
+
+        The copy reads any page, token and head strides with unit element stride; it is made when
+        :func:`should_repack` says so (never for pages that are a multiple of the tile).
+        """
+        if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4 or k_cache.stride(3) != 1:
+            return False
+        try:
+            return should_repack(batch, self.kv_tile, k_cache=k_cache)
+        except ImportError:  # FPV2_HOPPER_REPACK=1 without Triton: the call goes to the fallback
+            return False
+
+    def _copies(self, k_cache: torch.Tensor, batch: PagedPrefillBatch) -> bool:
+        """Whether a call's K/V go through the tile repack: the policy says so, or the kernel cannot read them."""
+        if should_repack(batch, self.kv_tile, k_cache=k_cache):
+            return True
+        # ``serves`` accepted a cache only the copy reads; copy it even if the memory check changed its mind since.
+        return self._cache_layout_problem(k_cache) is not None
 
     @staticmethod
     def _cache_layout_problem(cache: torch.Tensor) -> str | None:
@@ -343,6 +381,42 @@ class HopperBackend:
             return False, f"hopper_available() failed: {type(exc).__name__}: {exc}"
         return bool(ok), str(reason)
 
+    def prepare(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch) -> None:
+        """Start the work on the call's K/V that needs no block index: the tile repack, on a side stream.
+
+        The pipeline calls this after issuing its pooling launch and before the scoring pass, so the copy
+        (:mod:`fpv2.serving.tile_repack_staging`) runs beside the compute-bound scoring. The next
+        :meth:`run` on the same caches and batch uses it; any other call drops it. Nothing is staged when
+        the kernel would not serve the call, the copy is not wanted (:func:`should_repack`) or
+        :attr:`overlap_repack` is off.
+
+        Args:
+            q: the queries.
+            k_cache: the paged keys.
+            v_cache: the paged values.
+            batch: the batch metadata.
+        """
+        self._staged = None
+        if not self.overlap_repack or self.serves(q, k_cache, batch, None) is not None:
+            return
+        if not self._copies(k_cache, batch):
+            return
+        side = self._side_stream(k_cache.device) if k_cache.is_cuda else None  # the CPU copy is synchronous
+        self._staged = stage_tile_repack(k_cache, v_cache, batch, side)
+
+    def release_staged(self) -> None:
+        """Drop a copy staged by :meth:`prepare` that no call will use (its memory returns to the allocator)."""
+        self._staged = None
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        streams = self._side_streams
+        if streams is None:
+            streams = self._side_streams = {}
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = torch.cuda.Stream(device)
+        return stream
+
     def run(
         self,
         q: torch.Tensor,
@@ -362,18 +436,28 @@ class HopperBackend:
         Arguments as for :meth:`AttentionBackend.run`; ``index=None`` (with no plan) is
         dense causal attention. Pages that are not a multiple of the 128-token tile are
         first copied into tile pages when :func:`~fpv2.serving.tile_repack_policy.should_repack`
-        says so (the kernel then runs its TMA path; ``FPV2_HOPPER_REPACK`` overrides).
+        says so (the kernel then runs its TMA path; ``FPV2_HOPPER_REPACK`` overrides), or
+        the copy :meth:`prepare` staged for these caches and batch is used.
 
         Returns:
             ``(total_q, Hq, d)`` output.
         """
         from fpv2.kernel._native import hopper_prefill
 
-        if should_repack(batch, self.kv_tile, k_cache=k_cache):
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.matches(k_cache, v_cache, batch):
+            packed = staged.claim()
+            self.last_repack_stream = "side-stream" if staged.on_side_stream else "inline"
+        elif self._copies(k_cache, batch):
             # Small pages: one copy of the call's KV into tile pages, then the TMA path (tile_repack_policy).
             from fpv2.kernel.triton.tile_repack import repack_to_tile_pages
 
             packed = repack_to_tile_pages(k_cache, v_cache, batch)
+            self.last_repack_stream = "inline"
+        else:
+            packed = None
+            self.last_repack_stream = None
+        if packed is not None:
             k_cache, v_cache, batch = packed.k_cache, packed.v_cache, packed.batch
             self.last_kv_layout = "tile-repack"
         else:

@@ -50,8 +50,13 @@ def tile_repack_kernel(
     tile_table_stride,
     num_requests,
     page_size,
+    k_page_stride,
     k_token_stride,
+    k_head_stride,
+    v_page_stride,
     v_token_stride,
+    v_head_stride,
+    HEAD_DIM: tl.constexpr,
     ROW: tl.constexpr,
     ROW_P2: tl.constexpr,
     TILE: tl.constexpr,
@@ -80,14 +85,22 @@ def tile_repack_kernel(
     token = (pid - first) * TILE + local
     valid = token < kv_len
     page = tl.load(PageTable + b.to(tl.int64) * page_table_stride + token // page_size, mask=valid, other=0)
-    slot = page.to(tl.int64) * page_size + token % page_size
+    page = page.to(tl.int64)
+    slot = (token % page_size).to(tl.int64)
     cols = tl.arange(0, ROW_P2)
     in_row = cols < ROW
     load_mask = valid[:, None] & in_row[None, :]
     dst = (pid.to(tl.int64) * TILE + local)[:, None] * ROW + cols[None, :]
-    k = tl.load(KSrc + slot[:, None] * k_token_stride + cols[None, :], mask=load_mask, other=0.0)
+    # Element (head, e) of a token sits at head * head_stride + e in the source (d when its rows are dense).
+    head = cols // HEAD_DIM
+    within = cols % HEAD_DIM
+    k_row = page * k_page_stride + slot * k_token_stride
+    k_cols = head.to(tl.int64) * k_head_stride + within
+    k = tl.load(KSrc + k_row[:, None] + k_cols[None, :], mask=load_mask, other=0.0)
     tl.store(KDst + dst, k, mask=in_row[None, :])
-    v = tl.load(VSrc + slot[:, None] * v_token_stride + cols[None, :], mask=load_mask, other=0.0)
+    v_row = page * v_page_stride + slot * v_token_stride
+    v_cols = head.to(tl.int64) * v_head_stride + within
+    v = tl.load(VSrc + v_row[:, None] + v_cols[None, :], mask=load_mask, other=0.0)
     tl.store(VDst + dst, v, mask=in_row[None, :])
 
 
@@ -138,8 +151,8 @@ def repack_to_tile_pages(
 
     Args:
         k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys on a CUDA device (or the CPU under
-            the Triton interpreter); head and element strides must be dense (``d`` and 1), and
-            pages contiguous when ``page_size > 1``.
+            the Triton interpreter); the element stride must be 1, page, token and head strides are
+            free (for example vLLM's K and V views of its one per-layer buffer, head stride ``2 d``).
         v_cache: paged values, same shape and dtype.
         batch: the batch metadata (its host view gives the grid: one sync on first use, cached).
         tokens_per_program: tokens one program copies (a power of two dividing 128).
@@ -162,12 +175,11 @@ def repack_to_tile_pages(
             raise ValueError(f"{name} must be (num_pages, page_size, Hkv, d); got shape {tuple(cache.shape)}")
         if cache.device != batch.device:
             raise ValueError(f"{name} is on {cache.device}, the batch on {batch.device}")
-        _, page_size, num_kv_heads, head_dim = cache.shape
-        page_stride, token_stride, head_stride, elem_stride = cache.stride()
-        if elem_stride != 1 or head_stride != head_dim or (page_size > 1 and page_stride != page_size * token_stride):
+        _, _, num_kv_heads, head_dim = cache.shape
+        if cache.stride(3) != 1:
             raise ValueError(
-                f"{name}: the copy reads (num_pages * page_size, Hkv * d) rows and needs element stride 1, head "
-                f"stride d and contiguous pages; got strides {tuple(cache.stride())} for shape {tuple(cache.shape)}"
+                f"{name}: the copy reads each head's d values as one run and needs element stride 1; got strides "
+                f"{tuple(cache.stride())} for shape {tuple(cache.shape)}"
             )
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise TypeError(
@@ -207,8 +219,13 @@ def repack_to_tile_pages(
             table.stride(0),
             batch.num_requests,
             batch.page_size,
+            k_cache.stride(0),
             k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
             v_cache.stride(1),
+            v_cache.stride(2),
+            HEAD_DIM=head_dim,
             ROW=row,
             ROW_P2=triton.next_power_of_2(row),
             TILE=TILE_TOKENS,
