@@ -1,8 +1,8 @@
 """When the Hopper backend copies small pages into tile pages (``fpv2.serving.tile_repack_policy``).
 
-The rule reads only the batch's host view: tests build batches on the CPU. The GPU test at the end runs
-the Hopper backend at page size 1 with the copy forced on and off and compares both with the fp32
-reference.
+The rule reads only the batch's host view: tests build batches on the CPU. The GPU tests at the end run
+the Hopper backend at page size 1 with the copy forced on and off, and on vLLM's K/V views (which only
+the copy reads), against the fp32 reference.
 """
 
 from __future__ import annotations
@@ -125,3 +125,26 @@ def test_hopper_backend_at_page_1_matches_the_reference_with_and_without_the_cop
         assert err < 1e-2, (mode, err)
     # Both paths compute the same exact attention from the same bf16 values.
     torch.testing.assert_close(outs["1"], outs["0"], rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.skipif(not _hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+def test_vllm_views_run_on_the_kernel_through_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fpv2.kernel.reference import dense_attention
+    from fpv2.kernel.testing.workloads import planted_workload
+    from fpv2.serving import SparsePrefillPipeline
+    from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views
+
+    monkeypatch.setenv(REPACK_ENV, "auto")
+    wl = planted_workload([700, 1500], num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16, device="cuda")
+    buffer = torch.cat([wl.k_cache, wl.v_cache], dim=-1).transpose(1, 2).contiguous()  # vLLM's (blocks, Hkv, 16, 2d)
+    k_view, v_view = kv_cache_views(buffer, 128)
+    torch.testing.assert_close(k_view, wl.k_cache, rtol=0, atol=0, equal_nan=True)
+    pipeline = SparsePrefillPipeline(strategy="dense", correction=False)  # auto: the Hopper kernel where it serves
+    got = pipeline(wl.q, k_view, v_view, wl.batch).out.float()
+    assert pipeline.backend.last_choice == ("hopper", None)
+    assert pipeline.backend.last_kv_layout == "tile-repack"
+    want = dense_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, err

@@ -26,7 +26,6 @@ from fpv2.kernel import BLOCK_SIZE, BlockIndex, CorrectionPlan, PagedPrefillBatc
 
 from .fallback_backend import FallbackBackend
 from .tile_repack_policy import should_repack
-from .tile_repack_staging import StagedTileRepack, stage_tile_repack
 
 #: Name that asks for the best available backend.
 AUTO = "auto"
@@ -34,13 +33,7 @@ AUTO = "auto"
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """What the pipeline needs from an attention implementation.
-
-    A backend may also offer ``prepare(q, k_cache, v_cache, batch)``: the pipeline calls it
-    once the pooling launch is issued and before the index is built, to start work that needs
-    only the K/V (the Hopper backend's tile repack), and ``release_staged()``, called when the
-    call fails before ``run``.
-    """
+    """What the pipeline needs from an attention implementation."""
 
     name: str
 
@@ -260,14 +253,6 @@ class HopperBackend:
     #: How the last call's K/V reached the kernel: ``"paged"`` (the caller's cache) or ``"tile-repack"``
     #: (copied into 128-token pages first); None before the first call.
     last_kv_layout: str | None = None
-    #: Whether :meth:`prepare` issues the tile repack on a side stream under the index stage (False: the
-    #: copy runs in :meth:`run`, in front of the kernel).
-    overlap_repack: bool = True
-    #: Where the last call's tile repack ran: ``"side-stream"`` (issued by :meth:`prepare`), ``"inline"``
-    #: (in :meth:`run`), or None (no copy).
-    last_repack_stream: str | None = None
-    _staged: StagedTileRepack | None = None
-    _side_streams: dict[torch.device, torch.cuda.Stream] | None = None
 
     def serves(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
@@ -381,42 +366,6 @@ class HopperBackend:
             return False, f"hopper_available() failed: {type(exc).__name__}: {exc}"
         return bool(ok), str(reason)
 
-    def prepare(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch) -> None:
-        """Start the work on the call's K/V that needs no block index: the tile repack, on a side stream.
-
-        The pipeline calls this after issuing its pooling launch and before the scoring pass, so the copy
-        (:mod:`fpv2.serving.tile_repack_staging`) runs beside the compute-bound scoring. The next
-        :meth:`run` on the same caches and batch uses it; any other call drops it. Nothing is staged when
-        the kernel would not serve the call, the copy is not wanted (:func:`should_repack`) or
-        :attr:`overlap_repack` is off.
-
-        Args:
-            q: the queries.
-            k_cache: the paged keys.
-            v_cache: the paged values.
-            batch: the batch metadata.
-        """
-        self._staged = None
-        if not self.overlap_repack or self.serves(q, k_cache, batch, None) is not None:
-            return
-        if not self._copies(k_cache, batch):
-            return
-        side = self._side_stream(k_cache.device) if k_cache.is_cuda else None  # the CPU copy is synchronous
-        self._staged = stage_tile_repack(k_cache, v_cache, batch, side)
-
-    def release_staged(self) -> None:
-        """Drop a copy staged by :meth:`prepare` that no call will use (its memory returns to the allocator)."""
-        self._staged = None
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        streams = self._side_streams
-        if streams is None:
-            streams = self._side_streams = {}
-        stream = streams.get(device)
-        if stream is None:
-            stream = streams[device] = torch.cuda.Stream(device)
-        return stream
-
     def run(
         self,
         q: torch.Tensor,
@@ -436,28 +385,19 @@ class HopperBackend:
         Arguments as for :meth:`AttentionBackend.run`; ``index=None`` (with no plan) is
         dense causal attention. Pages that are not a multiple of the 128-token tile are
         first copied into tile pages when :func:`~fpv2.serving.tile_repack_policy.should_repack`
-        says so (the kernel then runs its TMA path; ``FPV2_HOPPER_REPACK`` overrides), or
-        the copy :meth:`prepare` staged for these caches and batch is used.
+        says so (the kernel then runs its TMA path; ``FPV2_HOPPER_REPACK`` overrides), and
+        always for caches the kernel cannot read as they are (``serves`` took them for the copy).
 
         Returns:
             ``(total_q, Hq, d)`` output.
         """
         from fpv2.kernel._native import hopper_prefill
 
-        staged, self._staged = self._staged, None
-        if staged is not None and staged.matches(k_cache, v_cache, batch):
-            packed = staged.claim()
-            self.last_repack_stream = "side-stream" if staged.on_side_stream else "inline"
-        elif self._copies(k_cache, batch):
+        if self._copies(k_cache, batch):
             # Small pages: one copy of the call's KV into tile pages, then the TMA path (tile_repack_policy).
             from fpv2.kernel.triton.tile_repack import repack_to_tile_pages
 
             packed = repack_to_tile_pages(k_cache, v_cache, batch)
-            self.last_repack_stream = "inline"
-        else:
-            packed = None
-            self.last_repack_stream = None
-        if packed is not None:
             k_cache, v_cache, batch = packed.k_cache, packed.v_cache, packed.batch
             self.last_kv_layout = "tile-repack"
         else:

@@ -68,24 +68,10 @@ class FallbackBackend:
         ok, why = self.primary.available()
         return ok, f"{why}; calls it does not serve run on {self.fallback.name}"
 
-    def prepare(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch) -> None:
-        """The primary's ``prepare`` (work that needs only the K/V), where it has one; it checks ``serves`` itself."""
-        prepare = getattr(self.primary, "prepare", None)
-        if callable(prepare):
-            prepare(q, k_cache, v_cache, batch)
-
-    def release_staged(self) -> None:
-        """Drop what the primary's ``prepare`` staged, where it stages anything."""
-        release = getattr(self.primary, "release_staged", None)
-        if callable(release):
-            release()
-
     def _choose(self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None):
         reason = self.primary.serves(q, k_cache, batch, index)
         chosen = self.primary if reason is None else self.fallback
         self.last_choice = (chosen.name, reason)
-        if chosen is self.fallback:
-            self.release_staged()  # a copy staged for the primary would only hold memory
         return chosen
 
     def run(

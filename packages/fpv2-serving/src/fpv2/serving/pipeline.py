@@ -10,14 +10,7 @@ from fpv2.correction import build_correction_plan, compute_block_statistics
 from fpv2.index import SelectionConfig, available_strategies, get_strategy
 from fpv2.index.api import _build_block_index
 from fpv2.index.strategies.max_threshold import use_triton_index
-from fpv2.kernel import (
-    BlockIndex,
-    BlockStatistics,
-    CorrectionPlan,
-    PagedPrefillBatch,
-    PrefillShapes,
-    validate_prefill_inputs,
-)
+from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch, validate_prefill_inputs
 
 from .backends import AUTO, AttentionBackend, resolve_backend
 from .timing import StageClock, StageTimings
@@ -169,34 +162,6 @@ class SparsePrefillPipeline:
             bf16_copies=self.correction,
             values=self.correction or self.strategy != DENSE_STRATEGY,
         )
-        # Work on the K/V that needs no index (the Hopper backend's tile repack) starts now, beside the scoring.
-        prepare = getattr(self.backend, "prepare", None)
-        if callable(prepare):
-            prepare(q, k_cache, v_cache, batch)
-        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-        try:
-            out, index, plan = self._index_and_attention(
-                q, k_cache, v_cache, batch, shapes, statistics, clock, descales
-            )
-        except BaseException:
-            release = getattr(self.backend, "release_staged", None)
-            if callable(release):
-                release()
-            raise
-        return PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)
-
-    def _index_and_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: PagedPrefillBatch,
-        shapes: PrefillShapes,
-        statistics: BlockStatistics,
-        clock: StageClock,
-        descales: dict[str, torch.Tensor | None],
-    ) -> tuple[torch.Tensor, BlockIndex, CorrectionPlan | None]:
-        """The index, the correction plan and the attention of a call whose statistics are issued."""
         # The inputs were validated above (with V): build_block_index would check them again.
         index = _build_block_index(
             q,
@@ -205,8 +170,8 @@ class SparsePrefillPipeline:
             config=self.config,
             strategy=self.strategy,
             statistics=statistics,
-            q_descale=descales["q_descale"],
-            k_descale=descales["k_descale"],
+            q_descale=q_descale,
+            k_descale=k_descale,
             inputs_validated=True,
         )
         if index.group != shapes.group or index.num_kv_heads != shapes.num_kv_heads:
@@ -225,6 +190,7 @@ class SparsePrefillPipeline:
             plan = CorrectionPlan(statistics) if derives_todo else build_correction_plan(index, statistics, batch)
         clock.mark("correction")
         scale = self.config.scale_for(shapes.head_dim)
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
         run_dense = getattr(self.backend, "run_dense", None)
         if (
             self.strategy == DENSE_STRATEGY
@@ -237,7 +203,7 @@ class SparsePrefillPipeline:
         else:
             out = self.backend.run(q, k_cache, v_cache, batch, index, plan, softmax_scale=scale, **descales)
         clock.mark("attention")
-        return out, index, plan
+        return PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)
 
 
 def is_builtin_strategy(strategy: str) -> bool:
