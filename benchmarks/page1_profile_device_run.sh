@@ -6,6 +6,9 @@
 #                                      copy included) and the fallback; then benchmarks/pipeline_profile.py (per-kernel
 #                                      GPU time under torch.profiler) of the corrected 128K pipeline, B=1, on the
 #                                      Hopper backend at page size 1 (repack) and 128 (the caller's pages)
+#   benchmarks/page1_profile_device_run.sh sync  the Hopper pipeline's host syncs (the profile counted one per
+#                                      corrected call; test_sync_free names the site), the policy's GPU tests, and
+#                                      the host time of the memory check before / after one allocator read
 #
 # Question (written before the run): the page-1 pipeline is 13.3 GPU ms at 128K against about 12.7 for vLLM's views
 # at block size 16 through the same copy (2026-12-04). Expected: the attention kernel is the same (tile pages in
@@ -18,6 +21,23 @@ set -u -o pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start page1-profile "${1:-all}" "${REPACK_BIN:-.carry/head}"
 RESULTS="$OUT"
+
+if [ "$PART" = sync ]; then
+  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q -x \
+    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
+    packages/fpv2-serving/tests/test_tile_repack_policy.py > "$LOGS/pytest-sync.log" 2>&1
+  echo "sync tests: rc=$? $(tail -1 "$LOGS/pytest-sync.log")"
+  grep -E "^E " "$LOGS/pytest-sync.log" | head -30 | cut -c1-400
+  with_packages python3 -c '
+import timeit, torch
+from fpv2.serving.tile_repack_policy import repack_headroom_bytes
+d = torch.device("cuda", 0); torch.empty(1, device=d)
+old = lambda: torch.cuda.mem_get_info(d)[0] + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d)
+for name, fn in (("two memory_stats", old), ("one nested dict", lambda: repack_headroom_bytes(d))):
+    print(f"headroom via {name}: {min(timeit.repeat(fn, number=200, repeat=5)) / 200 * 1e6:.1f} us a call")
+' 2>&1 | tee "$LOGS/headroom-host.txt"
+  exit 0
+fi
 
 with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_tile_repack.py \
   packages/fpv2-serving/tests/test_tile_repack_policy.py packages/fpv2-serving/tests/test_fallback_backend.py \

@@ -78,6 +78,18 @@ def test_auto_leaves_the_copy_out_when_memory_is_short(monkeypatch: pytest.Monke
     assert should_repack(batch, 128, "auto", k_cache=k_cache)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_headroom_is_free_memory_plus_the_allocators_unused_blocks() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    held = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    del held  # 64 MiB now cached by the allocator, unused
+    free, _ = torch.cuda.mem_get_info(device)
+    want = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert tile_repack_policy.repack_headroom_bytes(device) == want
+    assert want - free >= 64 << 20
+
+
 def test_unknown_modes_are_refused_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(REPACK_ENV, "yes")
     with pytest.raises(ValueError, match=r"FPV2_HOPPER_REPACK='yes': expected one of 'auto', '0', '1'"):
