@@ -9,6 +9,10 @@
 #   benchmarks/page1_profile_device_run.sh sync  the Hopper pipeline's host syncs (the profile counted one per
 #                                      corrected call; test_sync_free names the site), the policy's GPU tests, and
 #                                      the host time of the memory check before / after one allocator read
+#   benchmarks/page1_profile_device_run.sh routing  the routing curves (benchmarks/routing_switch_point.py, 2K-32K) on
+#                                      the Hopper backend at page sizes 1 and 16, now through the tile repack
+#                                      (the shipped page-1 curve was the gather's); then fpv2 bench at 128K and 32K,
+#                                      page 1, with the one-read memory check
 #
 # Question (written before the run): the page-1 pipeline is 13.3 GPU ms at 128K against about 12.7 for vLLM's views
 # at block size 16 through the same copy (2026-12-04). Expected: the attention kernel is the same (tile pages in
@@ -22,6 +26,19 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start page1-profile "${1:-all}" "${REPACK_BIN:-.carry/head}"
 RESULTS="$OUT"
 
+if [ "$PART" = routing ]; then
+  # Prediction: the copy moves the page-1 sparse curve down at 16K-32K (32K 3.26 -> ~2.2 ms, the bench's figure)
+  # and the dense curve (its own dense mode, also copied) 18.7 -> ~12.5 ms at 32K; the switch point stays near 9K.
+  with_packages timeout 300 python3 benchmarks/routing_switch_point.py --backend hopper --page-sizes 1 16 \
+    --out "$RESULTS/routing-repack" > "$LOGS/routing.log" 2>&1
+  echo "routing: rc=$?"
+  tail -8 "$LOGS/routing.log" | cut -c1-200
+  for L in 131072 32768; do
+    bench_row 1 "$L" "bench-page1-$L" 100 --page-size 1 --backend hopper
+  done
+  (cd "$RESULTS" && tar czf bench-page1.tgz bench-page1-* && rm -rf bench-page1-*)
+  exit 0
+fi
 if [ "$PART" = sync ]; then
   with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q -x \
     "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
