@@ -378,19 +378,24 @@ def test_shipped_h200_table_is_used_on_that_gpu_only(monkeypatch):
     table = RoutingTable.from_dict(routing_measured.H200_TABLE)
     key = RoutingKey(32, 8, 128, "bf16", 1, 0.1)
     curve = table.curve(key)
-    # Page size 1 on the Hopper kernel's lane-pair gather (2026-12-03; 10,069 on the Triton backends before).
-    assert curve is not None and 8_850 < curve.switch_kv_len() < 9_020  # measured: 8,934
+    # Page size 1 on the Hopper kernel after the tile repack (2026-12-04; 8,934 on its cp.async gather the day
+    # before, 10,069 on the Triton backends before that).
+    assert curve is not None and 9_000 < curve.switch_kv_len() < 9_160  # measured: 9,078
     assert not curve.prefers_sparse(8192) and curve.prefers_sparse(16384)
+    # Page size 16 through the same copy: sparse from about 9,918 KV tokens on.
+    page16 = table.curve(RoutingKey(32, 8, 128, "bf16", 16, 0.1))
+    assert page16 is not None and 9_800 < page16.switch_kv_len() < 10_050
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     router = DensityRouter()  # the default table is MEASURED
-    assert router.curve_for(key) is not None and router.curve_for(RoutingKey(32, 8, 128, "bf16", 16, 0.1)) is None
+    assert router.curve_for(key) is not None and router.curve_for(RoutingKey(32, 8, 128, "bf16", 64, 0.1)) is None
     # The Hopper kernel's page-128 curve (measured 2026-12-01): sparse from about 9,219 KV tokens on.
     hopper = table.curve(RoutingKey(32, 8, 128, "bf16", 128, 0.1))
     assert hopper is not None and 9_100 < hopper.switch_kv_len() < 9_350
     assert router.prefers_sparse(8192, RoutingKey(32, 8, 128, "bf16", 128, 0.1)) is False
     assert router.prefers_sparse(8192, key) is False  # the default rule would say sparse here
-    assert router.prefers_sparse(8192, RoutingKey(32, 8, 128, "bf16", 16, 0.1)) is True  # unmeasured key: the rule
+    assert router.prefers_sparse(8192, RoutingKey(32, 8, 128, "bf16", 16, 0.1)) is False
+    assert router.prefers_sparse(8192, RoutingKey(32, 8, 128, "bf16", 64, 0.1)) is True  # unmeasured key: the rule
     assert router.prefers_sparse(12288, key) is True
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert routing_measured.measured_table() is None and DensityRouter(MEASURED).table is None

@@ -5,12 +5,15 @@ wrote on the lent H200: planted workload, B=1, no prefix, Hq=32, Hkv=8, d=128,
 bf16, ``alpha = 0.1``, the sparse pipeline with the correction against the
 backend's dense mode, medians of 10 CUDA-event runs.
 
-- page size 1 (2026-12-03, ``benchmarks/results/2026-12-03-h200-gather-pairs-only/routing-page1-hopper/``),
-  the Hopper kernel's cp.async gather (its two-lane version of that day; the
-  four-lane one that replaced it is faster still), which ``auto`` runs at page size 1 since
-  then: sparse wins from about 8,934 KV tokens on (2.38x at 16K, 5.72x at 32K);
-  at 8K it is 1.13x slower than dense (on the Triton backends of 2026-11-29 the
-  switch was at 10,069 tokens, 4.48x at 32K);
+- page sizes 1 and 16 (2026-12-04, ``benchmarks/results/2026-12-04-h200-page1-profile/routing-repack/``),
+  the Hopper kernel after the tile repack (both paths copy the call's KV into
+  128-token pages first, as ``auto`` does for whole prompts): at page size 1
+  sparse wins from about 9,078 KV tokens on (1.79x at 16K, 4.59x at 32K; 1.11x
+  slower than dense at 8K), at page size 16 from about 9,918 (1.82x at 16K,
+  4.81x at 32K). The copy made both paths faster (32K: sparse 3.26 -> 3.04 ms,
+  dense 18.66 -> 13.92 ms against the cp.async gather of 2026-12-03, whose
+  switch point was 8,934 tokens), dense more than sparse, so the switch moved up
+  a little;
 - page size 128 (2026-12-01, ``benchmarks/results/2026-12-01-h200-serving-gpu/``),
   the Hopper kernel: sparse wins from about 9,219 KV tokens on (1.74x at 16K,
   5.59x at 32K); at 8K it is 1.12x slower than dense.
@@ -30,20 +33,20 @@ from .routing import RoutingTable
 H200_TABLE: dict[str, object] = {
     "schema": "fpv2-routing/1",
     "meta": {
-        "created": "2026-12-03T13:43:08+00:00",
+        "created": "2026-12-04T09:46:37+00:00",
         "gpu": "NVIDIA H200",
-        "source": "benchmarks/results/2026-12-03-h200-gather-pairs-only/routing-page1-hopper/routing-table.json "
-        "(page size 1) and benchmarks/results/2026-12-01-h200-serving-gpu/ (page size 128)",
+        "source": "benchmarks/results/2026-12-04-h200-page1-profile/routing-repack/routing-table.json "
+        "(page sizes 1 and 16) and benchmarks/results/2026-12-01-h200-serving-gpu/ (page size 128)",
     },
     "curves": [
         {
             "key": {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "page_size": 1, "alpha": 0.1},
             "points": [
-                {"kv_len": 2048, "sparse_ms": 0.7777, "dense_ms": 0.2009, "density": 0.8398},
-                {"kv_len": 4096, "sparse_ms": 0.9774, "dense_ms": 0.4171, "density": 0.6564},
-                {"kv_len": 8192, "sparse_ms": 1.4648, "dense_ms": 1.2937, "density": 0.4896},
-                {"kv_len": 16384, "sparse_ms": 1.9513, "dense_ms": 4.6528, "density": 0.1897},
-                {"kv_len": 32768, "sparse_ms": 3.2600, "dense_ms": 18.6594, "density": 0.0946},
+                {"kv_len": 2048, "sparse_ms": 0.8442, "dense_ms": 0.2930, "density": 0.8398},
+                {"kv_len": 4096, "sparse_ms": 0.9087, "dense_ms": 0.4315, "density": 0.6564},
+                {"kv_len": 8192, "sparse_ms": 1.1493, "dense_ms": 1.0390, "density": 0.4896},
+                {"kv_len": 16384, "sparse_ms": 1.9949, "dense_ms": 3.5642, "density": 0.1897},
+                {"kv_len": 32768, "sparse_ms": 3.0352, "dense_ms": 13.9211, "density": 0.0946},
             ],
             "meta": {
                 "gpu": "NVIDIA H200",
@@ -53,7 +56,27 @@ H200_TABLE: dict[str, object] = {
                 "correction": True,
                 "workload": "planted",
                 "repeats": 10,
-                "commit": "fpv2-kernel 0.1.1 (the two-lane gather), 2026-12-03",
+                "commit": "59b7ca7 (fpv2-kernel 0.1.2, the tile repack), 2026-12-04",
+            },
+        },
+        {
+            "key": {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "page_size": 16, "alpha": 0.1},
+            "points": [
+                {"kv_len": 2048, "sparse_ms": 0.9901, "dense_ms": 0.3790, "density": 0.7580},
+                {"kv_len": 4096, "sparse_ms": 1.0016, "dense_ms": 0.4431, "density": 0.5283},
+                {"kv_len": 8192, "sparse_ms": 1.4066, "dense_ms": 1.1188, "density": 0.4079},
+                {"kv_len": 16384, "sparse_ms": 1.8411, "dense_ms": 3.3576, "density": 0.2018},
+                {"kv_len": 32768, "sparse_ms": 2.8370, "dense_ms": 13.6496, "density": 0.1031},
+            ],
+            "meta": {
+                "gpu": "NVIDIA H200",
+                "backend": "hopper",
+                "dense_path": "kernel",
+                "strategy": "max_threshold",
+                "correction": True,
+                "workload": "planted",
+                "repeats": 10,
+                "commit": "59b7ca7 (fpv2-kernel 0.1.2, the tile repack), 2026-12-04",
             },
         },
         {
