@@ -13,6 +13,12 @@
 #                                      the Hopper backend at page sizes 1 and 16, now through the tile repack
 #                                      (the shipped page-1 curve was the gather's); then fpv2 bench at 128K and 32K,
 #                                      page 1, with the one-read memory check
+#   benchmarks/page1_profile_device_run.sh views  the GPU tests of the policy, the fallback and the transformers
+#                                      adapter (head-major K/V now reach the kernel through the copy at every page
+#                                      size), then benchmarks/transformers_long_prefill.py at 32K and 64K with
+#                                      FPV2_HOPPER_REPACK=auto (Hopper through the copy) and =0 (Triton, as before).
+#                                      Prediction: the attention part of the fpv2 forward about 1.7x faster (the
+#                                      vLLM views' 128K ratio), the whole 2-layer forward less (projections, MLP)
 #
 # Question (written before the run): the page-1 pipeline is 13.3 GPU ms at 128K against about 12.7 for vLLM's views
 # at block size 16 through the same copy (2026-12-04). Expected: the attention kernel is the same (tile pages in
@@ -37,6 +43,21 @@ if [ "$PART" = routing ]; then
     bench_row 1 "$L" "bench-page1-$L" 100 --page-size 1 --backend hopper
   done
   (cd "$RESULTS" && tar czf bench-page1.tgz bench-page1-* && rm -rf bench-page1-*)
+  exit 0
+fi
+if [ "$PART" = views ]; then
+  with_packages timeout 240 python3 -m pytest -p no:cacheprovider -q packages/fpv2-serving/tests/test_tile_repack_policy.py \
+    packages/fpv2-serving/tests/test_fallback_backend.py packages/fpv2-serving/tests/test_adapter_transformers.py \
+    > "$LOGS/pytest-views.log" 2>&1
+  echo "views tests: rc=$? $(tail -1 "$LOGS/pytest-views.log")"
+  grep -E "^FAILED|^E " "$LOGS/pytest-views.log" | head -20 | cut -c1-300
+  for mode in auto 0; do
+    FPV2_HOPPER_REPACK=$mode with_packages timeout 150 python3 benchmarks/transformers_long_prefill.py \
+      --seqlens 32768 65536 --no-dense-reference --out "$RESULTS/transformers-repack-$mode" \
+      > "$LOGS/transformers-$mode.log" 2>&1
+    echo "transformers FPV2_HOPPER_REPACK=$mode: rc=$?"
+    grep -E "^\|" "$LOGS/transformers-$mode.log" | cut -c1-260 | head -8
+  done
   exit 0
 fi
 if [ "$PART" = sync ]; then

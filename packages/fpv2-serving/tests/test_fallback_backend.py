@@ -112,7 +112,12 @@ def test_hopper_backend_sends_caches_it_cannot_read_as_rows_to_the_fallback():
     assert "contiguous pages" in problem(pages_apart)
     if torch.cuda.is_available():
         q = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
-        assert "head stride d" in registry.HopperBackend().serves(q, head_major.cuda(), _batch(128), None)
+        hopper = registry.HopperBackend()
+        with pytest.MonkeyPatch.context() as env:
+            # Without the tile repack the kernel cannot take such a view: the fallback runs it. (With the copy,
+            # the default, the kernel serves it: test_hopper_backend_takes_caches_only_the_tile_repack_reads...)
+            env.setenv("FPV2_HOPPER_REPACK", "0")
+            assert "head stride d" in hopper.serves(q, head_major.cuda(), _batch(128).to("cuda"), None)
 
 
 def test_hopper_backend_takes_caches_only_the_tile_repack_reads_when_the_copy_is_made(monkeypatch):
@@ -133,12 +138,18 @@ def test_hopper_backend_takes_caches_only_the_tile_repack_reads_when_the_copy_is
     assert not hopper._copy_reads(k_view, whole_prompt)
     monkeypatch.setenv("FPV2_HOPPER_REPACK", "1")
     assert not hopper._copy_reads(k_view.transpose(2, 3), whole_prompt)  # no unit element stride: no copy either
+    # Tile-sized pages the kernel cannot read as they are are copied too (the kernel's only way to them); the
+    # kernel's own readable tile pages never are.
     tile_view, _ = kv_cache_views(torch.zeros(2, 2, 128, 256, dtype=torch.bfloat16), 128)
     tile_batch = PagedPrefillBatch.contiguous([100], [100], page_size=128)
-    assert not hopper._copy_reads(tile_view, tile_batch)  # tile pages are never copied
+    assert hopper._copy_reads(tile_view, tile_batch) and hopper._copies(tile_view, tile_batch)
+    readable = torch.zeros(2, 128, 2, 128, dtype=torch.bfloat16)
+    assert hopper._cache_layout_problem(readable) is None and not hopper._copies(readable, tile_batch)
     if torch.cuda.is_available():
         q = torch.zeros(100, 4, 128, dtype=torch.bfloat16, device="cuda")
         assert hopper.serves(q, k_view.cuda(), whole_prompt.to("cuda"), None) is None
+        assert hopper.serves(q, tile_view.cuda(), tile_batch.to("cuda"), None) is None
+        monkeypatch.setenv("FPV2_HOPPER_REPACK", "0")
         assert "head stride d" in hopper.serves(q, tile_view.cuda(), tile_batch.to("cuda"), None)
 
 

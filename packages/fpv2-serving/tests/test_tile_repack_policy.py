@@ -90,6 +90,18 @@ def test_headroom_is_free_memory_plus_the_allocators_unused_blocks() -> None:
     assert want - free >= 64 << 20
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the copy is a Triton kernel")
+def test_caches_the_kernel_cannot_read_are_copied_at_any_page_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = _batch([4096], [4096], 128)
+    assert not should_repack(whole, 128, "auto")  # the kernel reads tile pages itself
+    assert should_repack(whole, 128, "auto", kernel_reads_pages=False)
+    assert not should_repack(_batch([4096], [4096], 256), 128, "auto")
+    assert should_repack(_batch([4096], [4096], 256), 128, "auto", kernel_reads_pages=False)
+    # The rest of the rule holds: short chunks after a long prefix, and mode 0, keep the cache as it is.
+    assert not should_repack(_batch([64], [4096], 128), 128, "auto", kernel_reads_pages=False)
+    assert not should_repack(whole, 128, "0", kernel_reads_pages=False)
+
+
 def test_unknown_modes_are_refused_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(REPACK_ENV, "yes")
     with pytest.raises(ValueError, match=r"FPV2_HOPPER_REPACK='yes': expected one of 'auto', '0', '1'"):
@@ -158,5 +170,31 @@ def test_vllm_views_run_on_the_kernel_through_the_copy(monkeypatch: pytest.Monke
     assert pipeline.backend.last_choice == ("hopper", None)
     assert pipeline.backend.last_kv_layout == "tile-repack"
     want = dense_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.skipif(not _hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+@pytest.mark.parametrize("kv_len", [2048, 1000])  # pages of 128 (tile-sized) and of 8 tokens
+def test_transformers_head_major_views_run_on_the_kernel_through_the_copy(kv_len: int) -> None:
+    from fpv2.kernel.reference import dense_attention
+    from fpv2.serving import SparsePrefillPipeline
+    from fpv2.serving.adapters.transformers_kv_view import dense_kv_as_pages
+    from fpv2.serving.backends import HopperBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    # A transformers layer's (B, Hkv, T, d) cache with spare slots past kv_len: head stride T * d.
+    key = torch.randn(2, 4, kv_len + 64, 128, device="cuda", generator=gen).bfloat16()
+    value = torch.randn(2, 4, kv_len + 64, 128, device="cuda", generator=gen).bfloat16()
+    view = dense_kv_as_pages(key, value, kv_len, kv_len)
+    assert not view.copied and HopperBackend._cache_layout_problem(view.k_cache) is not None
+    q = torch.randn(2 * kv_len, 16, 128, device="cuda", generator=gen).bfloat16()
+    pipeline = SparsePrefillPipeline(strategy="dense", correction=False)  # auto: the Hopper kernel where it serves
+    got = pipeline(q, view.k_cache, view.v_cache, view.batch).out.float()
+    assert pipeline.backend.last_choice == ("hopper", None)
+    assert pipeline.backend.last_kv_layout == "tile-repack"
+    want = dense_attention(q, view.k_cache, view.v_cache, view.batch)
     err = ((got - want).norm() / want.norm()).item()
     assert err < 1e-2, err

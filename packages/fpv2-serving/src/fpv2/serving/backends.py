@@ -311,12 +311,12 @@ class HopperBackend:
         """Whether the tile repack will carry a cache the kernel cannot read as it is (for example vLLM's K/V views).
 
         The copy reads any page, token and head strides with unit element stride; it is made when
-        :func:`should_repack` says so (never for pages that are a multiple of the tile).
+        :func:`should_repack` says so for a cache the kernel cannot read (pages of any size).
         """
         if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4 or k_cache.stride(3) != 1:
             return False
         try:
-            return should_repack(batch, self.kv_tile, k_cache=k_cache)
+            return should_repack(batch, self.kv_tile, k_cache=k_cache, kernel_reads_pages=False)
         except ImportError:  # FPV2_HOPPER_REPACK=1 without Triton: the call goes to the fallback
             return False
 

@@ -75,16 +75,25 @@ def repack_mode() -> str:
 
 
 def should_repack(
-    batch: PagedPrefillBatch, kv_tile: int, mode: str | None = None, *, k_cache: torch.Tensor | None = None
+    batch: PagedPrefillBatch,
+    kv_tile: int,
+    mode: str | None = None,
+    *,
+    k_cache: torch.Tensor | None = None,
+    kernel_reads_pages: bool = True,
 ) -> bool:
     """Whether a call on ``batch`` copies its KV into ``kv_tile``-token pages first.
 
     Args:
         batch: the call's batch (its cached host view gives the lengths).
-        kv_tile: the kernel's KV tile; pages that are a multiple of it are never copied.
+        kv_tile: the kernel's KV tile; pages that are a multiple of it are not copied while
+            ``kernel_reads_pages``.
         mode: ``"auto"``, ``"0"`` or ``"1"``; None reads :func:`repack_mode`.
         k_cache: the call's paged keys: with it, ``auto`` also checks that the copies fit
             (:data:`MAX_MEMORY_SHARE`); without it, the memory is not checked.
+        kernel_reads_pages: False when the kernel cannot read the cache as it is (a strided
+            view such as vLLM's or a transformers layer's): then pages of any size are copied
+            under the same rule, the copy being the kernel's only way to them.
 
     Returns:
         True when the copy is made.
@@ -97,7 +106,7 @@ def should_repack(
         mode = repack_mode()
     elif mode not in _MODES:
         raise ValueError(f"repack mode must be one of {', '.join(map(repr, _MODES))}; got {mode!r}")
-    if batch.page_size % kv_tile == 0 or mode == "0":
+    if (kernel_reads_pages and batch.page_size % kv_tile == 0) or mode == "0":
         return False
     has_triton = importlib.util.find_spec("triton") is not None
     if mode == "1":
