@@ -172,3 +172,30 @@ def test_an_edit_of_pooled_v_alone_retires_the_copies_too() -> None:
     assert stats.pooled_in(BF16) is None
     struct = cs.correction_plan_struct(_plan(stats), pooled_dtype=BF16)
     assert struct.pooled_v.data != stats.pooled_copies.v.data_ptr()
+
+
+def test_under_inference_mode_the_statistics_keep_their_version_checks() -> None:
+    # Engines (vLLM) run the forward pass under torch.inference_mode, whose tensors keep no version counter:
+    # pooling there used to fail reading pooled_k._version. The outputs are made as normal tensors instead.
+    w = _workload(torch.bfloat16, 1)
+    with torch.inference_mode():
+        stats = pool_blocks_triton(w.k_cache, w.v_cache, w.batch, block_size=16, pooled_copy_dtype=BF16)
+        assert not stats.pooled_k.is_inference() and not stats.pooled_v.is_inference()
+        assert stats.pooled_in(BF16) is not None
+        stats.pooled_v[0].zero_()  # an edit inside inference mode is still seen
+        assert stats.pooled_in(BF16) is None
+    outside = pool_blocks_triton(w.k_cache, w.v_cache, w.batch, block_size=16, pooled_copy_dtype=BF16)
+    with torch.inference_mode():
+        again = pool_blocks_triton(w.k_cache, w.v_cache, w.batch, block_size=16, pooled_copy_dtype=BF16)
+    torch.testing.assert_close(again.pooled_k, outside.pooled_k, rtol=0, atol=0)
+
+
+def test_records_of_inference_tensors_never_match() -> None:
+    with torch.inference_mode():
+        k = torch.zeros(4, 2, 8, device=DEVICE)
+        v = torch.zeros(4, 2, 8, device=DEVICE)
+    assert k.is_inference()
+    copies = PooledCopies.of(k.to(BF16), v.to(BF16), k, v)
+    assert copies.k_version is None and not copies.matches(k, v)  # no counter: an edit could not be seen
+    normal = torch.zeros(4, 2, 8, device=DEVICE)
+    assert PooledCopies.of(normal.to(BF16), None, normal, None).matches(normal, None)

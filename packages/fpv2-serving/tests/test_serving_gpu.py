@@ -62,3 +62,22 @@ def test_bench_on_cuda_writes_records_with_baselines(tmp_path, capsys):
         if r["impl"].startswith("torch-sdpa"):
             assert r["rel_err"] < 2e-2, r
     assert (next(tmp_path.glob("*.png"))).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("page_size", [1, 128])
+def test_pipeline_on_cuda_runs_in_and_out_of_inference_mode(page_size):
+    # vLLM runs the forward pass under torch.inference_mode, whose tensors keep no version counter: the
+    # Triton pooling read pooled_k._version there and failed (seen on the H200, 2026-12-04).
+    w = planted_workload(
+        [4096], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=page_size, dtype=torch.bfloat16, device="cuda"
+    )
+    pipeline = SparsePrefillPipeline(SelectionConfig(min_sparse_kv_len=0))
+    outs = []
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            result = pipeline(w.q, w.k_cache, w.v_cache, w.batch)
+        outs.append(result.out)
+        assert result.index.density(w.batch) < 1.0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    want = dense_attention(w.q, w.k_cache, w.v_cache, w.batch)
+    assert float((outs[0].float() - want).norm() / want.norm()) < 0.1

@@ -131,6 +131,22 @@ def test_triton_backend_matches_reference_backend_under_the_interpreter():
     assert float(err) < 2e-3
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 for the Triton backend")
+def test_pipeline_runs_in_and_out_of_inference_mode():
+    # vLLM runs the forward pass under torch.inference_mode; calls inside and outside it, in turn, reuse the
+    # pipeline's cached workspaces and must give the same output.
+    w = planted_workload([256], [640], num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, seed=5)
+    config = SelectionConfig(alpha=0.1, min_sparse_kv_len=0, sink_tokens=128, window_tokens=128)
+    pipeline = SparsePrefillPipeline(config, backend="triton")
+    outs = []
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            result = pipeline(w.q, w.k_cache, w.v_cache, w.batch)
+        outs.append(result.out)
+        assert result.index.density(w.batch) < 1.0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
 @pytest.mark.parametrize("correction", [True, False])
 def test_triton_pooling_writes_the_bf16_copies_only_for_the_correction(monkeypatch, correction):
     # The Triton pooling runs on CUDA inputs; under the interpreter it is made to run on the CPU here.

@@ -57,6 +57,7 @@ from .prepared_keys import (
     dot_kind,
     logit_scale_log2,
     matching_keys,
+    version_of,
 )
 from .scoring import launch_prepare_keys, launch_score_select, num_units, score_rows
 from .workspace import IndexWorkspace
@@ -220,7 +221,7 @@ def pool_blocks_triton(
         key_scale=key_scale,
         copies=copies,
     )
-    prepared = PreparedKeys(keys, pooled_k, pooled_k._version, key_scale, kind)
+    prepared = PreparedKeys(keys, pooled_k, version_of(pooled_k), key_scale, kind)
     pooled_copies = PooledCopies.of(k_copy, v_copy, pooled_k, pooled_v) if copies else None
     return TritonBlockStatistics(
         pooled_k, pooled_v, lengths, block_offsets, block_size, prepared_keys=prepared, pooled_copies=pooled_copies

@@ -9,6 +9,11 @@ costs one, plus a view per output. Every part starts on a 512-byte boundary,
 the alignment a separate CUDA allocation would have.
 
 The parts share one storage: it is freed when the last of them is dropped.
+
+Under :func:`torch.inference_mode` (engines such as vLLM run their forward pass
+in it) the parts are still made as normal tensors: inference tensors keep no
+version counter, and the copies cached beside the pooled statistics
+(:mod:`.prepared_keys`) check their source's version before they are reused.
 """
 
 from __future__ import annotations
@@ -29,8 +34,16 @@ def fresh_outputs(device: torch.device, parts: Sequence[tuple[tuple[int, ...], t
         parts: ``(shape, dtype)`` of each output.
 
     Returns:
-        One uninitialised contiguous tensor per part, in order, each 512-byte aligned.
+        One uninitialised contiguous tensor per part, in order, each 512-byte aligned (normal tensors,
+        with version counters, also under :func:`torch.inference_mode`).
     """
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return _carve(device, parts)
+    return _carve(device, parts)
+
+
+def _carve(device: torch.device, parts: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     dtypes = {dtype for _, dtype in parts}
     unit = torch.uint8 if len(dtypes) != 1 else next(iter(dtypes))
     unit_bytes = unit.itemsize

@@ -72,6 +72,14 @@ def logit_scale_log2(softmax_scale: float | None, head_dim: int) -> float:
     return scale * LOG2E
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for an inference tensor (made under :func:`torch.inference_mode`), which keeps none.
+
+    A record whose source has no version never matches: without a counter an in-place change cannot be seen.
+    """
+    return None if t.is_inference() else t._version
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedKeys:
     """Pooled keys in log2 logit units and the dot dtype, and what they were made from.
@@ -79,14 +87,14 @@ class PreparedKeys:
     Attributes:
         keys: ``(total_blocks, Hkv, d)`` contiguous, dtype ``DOT_DTYPES[dot_kind]``.
         source: the ``pooled_k`` tensor they were computed from.
-        source_version: ``source._version`` when they were written.
+        source_version: ``source._version`` when they were written (:func:`version_of`; None: never matches).
         scale_log2: the factor applied (:func:`logit_scale_log2`).
         dot_kind: the dot operand kind they were cast for.
     """
 
     keys: torch.Tensor
     source: torch.Tensor
-    source_version: int
+    source_version: int | None
     scale_log2: float
     dot_kind: int
 
@@ -103,7 +111,8 @@ class PreparedKeys:
         """
         return (
             self.source is pooled_k
-            and pooled_k._version == self.source_version
+            and self.source_version is not None
+            and version_of(pooled_k) == self.source_version
             and self.scale_log2 == scale_log2
             and self.dot_kind == kind
         )
@@ -118,15 +127,15 @@ class PooledCopies:
         v: the copy of ``source_v``, or None (keys pooled alone).
         source_k: the ``pooled_k`` tensor they were written from.
         source_v: the ``pooled_v`` tensor, or None.
-        k_version: ``source_k._version`` when they were written.
-        v_version: ``source_v._version`` then, or None.
+        k_version: ``source_k``'s :func:`version_of` when they were written (None: never matches).
+        v_version: ``source_v``'s then, or None (no values, or no counter: never matches).
     """
 
     k: torch.Tensor
     v: torch.Tensor | None
     source_k: torch.Tensor
     source_v: torch.Tensor | None
-    k_version: int
+    k_version: int | None
     v_version: int | None
 
     @classmethod
@@ -144,7 +153,8 @@ class PooledCopies:
         Returns:
             The record.
         """
-        return cls(k, v, source_k, source_v, source_k._version, source_v._version if source_v is not None else None)
+        v_version = version_of(source_v) if source_v is not None else None
+        return cls(k, v, source_k, source_v, version_of(source_k), v_version)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -161,9 +171,11 @@ class PooledCopies:
         Returns:
             True when both are the recorded tensors at their recorded versions.
         """
-        if self.source_k is not pooled_k or pooled_k._version != self.k_version or self.source_v is not pooled_v:
+        if self.source_k is not pooled_k or self.source_v is not pooled_v:
             return False
-        return pooled_v is None or pooled_v._version == self.v_version
+        if self.k_version is None or version_of(pooled_k) != self.k_version:
+            return False
+        return pooled_v is None or (self.v_version is not None and version_of(pooled_v) == self.v_version)
 
 
 @dataclass(frozen=True, eq=False)
