@@ -18,7 +18,9 @@
 #                                      size), then benchmarks/transformers_long_prefill.py at 32K and 64K with
 #                                      FPV2_HOPPER_REPACK=auto (Hopper through the copy) and =0 (Triton, as before).
 #                                      Prediction: the attention part of the fpv2 forward about 1.7x faster (the
-#                                      vLLM views' 128K ratio), the whole 2-layer forward less (projections, MLP)
+#                                      vLLM views' 128K ratio), the whole 2-layer forward less (projections, MLP).
+#                                      (Its first run, at f88cd78, failed in both modes: pooling under
+#                                      torch.inference_mode; the serving and index GPU tests of that fix run here.)
 #
 # Question (written before the run): the page-1 pipeline is 13.3 GPU ms at 128K against about 12.7 for vLLM's views
 # at block size 16 through the same copy (2026-12-04). Expected: the attention kernel is the same (tile pages in
@@ -48,6 +50,7 @@ fi
 if [ "$PART" = views ]; then
   with_packages timeout 240 python3 -m pytest -p no:cacheprovider -q packages/fpv2-serving/tests/test_tile_repack_policy.py \
     packages/fpv2-serving/tests/test_fallback_backend.py packages/fpv2-serving/tests/test_adapter_transformers.py \
+    packages/fpv2-serving/tests/test_serving_gpu.py packages/fpv2-index/tests/test_triton_pooled_copies.py \
     > "$LOGS/pytest-views.log" 2>&1
   echo "views tests: rc=$? $(tail -1 "$LOGS/pytest-views.log")"
   grep -E "^FAILED|^E " "$LOGS/pytest-views.log" | head -20 | cut -c1-300
