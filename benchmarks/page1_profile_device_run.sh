@@ -21,6 +21,11 @@
 #                                      vLLM views' 128K ratio), the whole 2-layer forward less (projections, MLP).
 #                                      (Its first run, at f88cd78, failed in both modes: pooling under
 #                                      torch.inference_mode; the serving and index GPU tests of that fix run here.)
+#   benchmarks/page1_profile_device_run.sh chunks  benchmarks/short_chunk_copy.py: chunks of 512-4096 queries after
+#                                      128K keys; page 1, copy against the gather; vLLM views, copy + Hopper against
+#                                      Triton. Prediction: against the gather the copy (0.34 ms) stops paying
+#                                      between 1K and 4K queries (the 4K chunk gained 0.55-0.75 ms on 2026-12-03);
+#                                      against Triton (1.75x slower at 128K) it pays at every chunk size tried
 #
 # Question (written before the run): the page-1 pipeline is 13.3 GPU ms at 128K against about 12.7 for vLLM's views
 # at block size 16 through the same copy (2026-12-04). Expected: the attention kernel is the same (tile pages in
@@ -45,6 +50,13 @@ if [ "$PART" = routing ]; then
     bench_row 1 "$L" "bench-page1-$L" 100 --page-size 1 --backend hopper
   done
   (cd "$RESULTS" && tar czf bench-page1.tgz bench-page1-* && rm -rf bench-page1-*)
+  exit 0
+fi
+if [ "$PART" = chunks ]; then
+  with_packages timeout 300 python3 benchmarks/short_chunk_copy.py --seqlen 131072 --chunks 512 1024 2048 4096 \
+    --out "$RESULTS/short-chunks.json" > "$LOGS/short-chunks.log" 2>&1
+  echo "short chunks: rc=$?"
+  cut -c1-300 "$LOGS/short-chunks.log" | tail -10
   exit 0
 fi
 if [ "$PART" = views ]; then
