@@ -126,13 +126,13 @@ def test_hopper_backend_takes_caches_only_the_tile_repack_reads_when_the_copy_is
 
     hopper = registry.HopperBackend()
     # vLLM 0.33's per-layer buffer (num_blocks, Hkv, block_size, 2 d) read as K/V views: head stride 2 d.
-    k_view, _ = kv_cache_views(torch.zeros(8, 2, 16, 256, dtype=torch.bfloat16), 128)
+    k_view, _ = kv_cache_views(torch.zeros(64, 2, 16, 256, dtype=torch.bfloat16), 128)
     assert "head stride d" in hopper._cache_layout_problem(k_view)
     whole_prompt = PagedPrefillBatch.contiguous([100], [100], page_size=16)
     monkeypatch.setenv("FPV2_HOPPER_REPACK", "auto")
     assert hopper._copy_reads(k_view, whole_prompt) and hopper._copies(k_view, whole_prompt)
     # A short chunk after a long prefix keeps the gather, which cannot read the view: the fallback runs it.
-    short_chunk = PagedPrefillBatch.contiguous([2], [100], page_size=16)
+    short_chunk = PagedPrefillBatch.contiguous([1], [1000], page_size=16)  # under MIN_QUERY_SHARE (1/256)
     assert not hopper._copy_reads(k_view, short_chunk)
     monkeypatch.setenv("FPV2_HOPPER_REPACK", "0")
     assert not hopper._copy_reads(k_view, whole_prompt)

@@ -33,9 +33,10 @@ def _batch(seqlens_q: list[int], seqlens_k: list[int], page_size: int) -> PagedP
 def test_auto_copies_small_pages_of_whole_prompts_only() -> None:
     assert should_repack(_batch([32768], [32768], 1), 128, "auto")
     assert should_repack(_batch([100, 3000], [100, 3000], 16), 128, "auto")
-    # A chunk after a long cached prefix: copied from 1/32 of the keys on (measured to pay there), not below.
-    assert should_repack(_batch([4096], [131072], 1), 128, "auto")
-    assert not should_repack(_batch([2048], [131072], 1), 128, "auto")
+    # A chunk after a long cached prefix: copied from 1/256 of the keys on (measured to pay there), not below.
+    assert MIN_QUERY_SHARE == 1 / 256
+    assert should_repack(_batch([512], [131072], 1), 128, "auto")
+    assert not should_repack(_batch([256], [131072], 1), 128, "auto")
     # The share is counted over the whole batch, at the boundary included.
     share = int(MIN_QUERY_SHARE * 4096)
     assert should_repack(_batch([share], [4096], 1), 128, "auto")
@@ -98,7 +99,7 @@ def test_caches_the_kernel_cannot_read_are_copied_at_any_page_size(monkeypatch: 
     assert not should_repack(_batch([4096], [4096], 256), 128, "auto")
     assert should_repack(_batch([4096], [4096], 256), 128, "auto", kernel_reads_pages=False)
     # The rest of the rule holds: short chunks after a long prefix, and mode 0, keep the cache as it is.
-    assert not should_repack(_batch([64], [4096], 128), 128, "auto", kernel_reads_pages=False)
+    assert not should_repack(_batch([8], [4096], 128), 128, "auto", kernel_reads_pages=False)
     assert not should_repack(whole, 128, "0", kernel_reads_pages=False)
 
 
