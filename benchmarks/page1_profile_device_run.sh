@@ -21,6 +21,9 @@
 #                                      vLLM views' 128K ratio), the whole 2-layer forward less (projections, MLP).
 #                                      (Its first run, at f88cd78, failed in both modes: pooling under
 #                                      torch.inference_mode; the serving and index GPU tests of that fix run here.)
+#   benchmarks/page1_profile_device_run.sh host  pipeline_profile.py --marks-only and --host-breakdown of the corrected
+#                                      pipeline at page 1, 128K and 32K: where the eager time's host part goes
+#                                      (eager 14.35 against 13.48 ms host-ahead at 128K)
 #   benchmarks/page1_profile_device_run.sh chunks  benchmarks/short_chunk_copy.py: chunks of 512-4096 queries after
 #                                      128K keys; page 1, copy against the gather; vLLM views, copy + Hopper against
 #                                      Triton. Prediction: against the gather the copy (0.34 ms) stops paying
@@ -50,6 +53,15 @@ if [ "$PART" = routing ]; then
     bench_row 1 "$L" "bench-page1-$L" 100 --page-size 1 --backend hopper
   done
   (cd "$RESULTS" && tar czf bench-page1.tgz bench-page1-* && rm -rf bench-page1-*)
+  exit 0
+fi
+if [ "$PART" = host ]; then
+  for mode in marks-only host-breakdown; do
+    with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 32768 --page-size 1 \
+      --backend hopper --"$mode" --out "$RESULTS/host-$mode" > "$LOGS/host-$mode.log" 2>&1
+    echo "profile --$mode: rc=$?"
+    grep -v "^ *$" "$LOGS/host-$mode.log" | grep -v Warning | cut -c1-150 | head -70
+  done
   exit 0
 fi
 if [ "$PART" = chunks ]; then

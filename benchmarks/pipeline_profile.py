@@ -208,6 +208,8 @@ _BROKEN_DOWN = (
     "fpv2.kernel.contracts:BlockIndex.assume_compatible",
     "fpv2.serving.pipeline:build_correction_plan",
     "fpv2.serving.backends:HopperBackend.run",
+    "fpv2.serving.backends:HopperBackend._copies",
+    "fpv2.kernel.triton.tile_repack:repack_to_tile_pages",
     "fpv2.serving.fallback_backend:FallbackBackend._choose",
     "fpv2.kernel._native:hopper_prefill",
     "fpv2.kernel._native.api:load_native_library",
