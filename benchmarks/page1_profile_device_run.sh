@@ -24,6 +24,11 @@
 #   benchmarks/page1_profile_device_run.sh host  pipeline_profile.py --marks-only and --host-breakdown of the corrected
 #                                      pipeline at page 1, 128K and 32K: where the eager time's host part goes
 #                                      (eager 14.35 against 13.48 ms host-ahead at 128K)
+#   benchmarks/page1_profile_device_run.sh hostfix  after the tile batch is kept on its batch and the memory check reads
+#                                      the driver first: the GPU tests of the copy, policy, fallback and the Hopper
+#                                      no-sync test, benchmarks/repack_host_probe.py, fpv2 bench at 32K and 128K,
+#                                      page 1. Prediction: about 0.1 ms less eager time at 32K (the attention launch
+#                                      waited 0.26 ms for the host there), none at 128K (the host is ahead there)
 #   benchmarks/page1_profile_device_run.sh chunks  benchmarks/short_chunk_copy.py: chunks of 512-4096 queries after
 #                                      128K keys; page 1, copy against the gather; vLLM views, copy + Hopper against
 #                                      Triton. Prediction: against the gather the copy (0.34 ms) stops paying
@@ -53,6 +58,20 @@ if [ "$PART" = routing ]; then
     bench_row 1 "$L" "bench-page1-$L" 100 --page-size 1 --backend hopper
   done
   (cd "$RESULTS" && tar czf bench-page1.tgz bench-page1-* && rm -rf bench-page1-*)
+  exit 0
+fi
+if [ "$PART" = hostfix ]; then
+  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_tile_repack.py \
+    packages/fpv2-serving/tests/test_tile_repack_policy.py packages/fpv2-serving/tests/test_fallback_backend.py \
+    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
+    > "$LOGS/pytest-hostfix.log" 2>&1
+  echo "GPU tests: rc=$? $(tail -1 "$LOGS/pytest-hostfix.log")"
+  grep -E "^FAILED|^E " "$LOGS/pytest-hostfix.log" | head -20 | cut -c1-300
+  with_packages timeout 100 python3 benchmarks/repack_host_probe.py 2>&1 | tee "$RESULTS/repack-host-probe.txt" | head -11
+  for L in 32768 131072; do
+    bench_row 1 "$L" "bench-page1-$L-hostfix" 100 --page-size 1 --backend hopper
+  done
+  (cd "$RESULTS" && tar czf bench-hostfix.tgz bench-page1-* && rm -rf bench-page1-*)
   exit 0
 fi
 if [ "$PART" = host ]; then

@@ -9,6 +9,8 @@ CPU machines the kernel runs under the Triton interpreter; with a CUDA GPU it ru
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_case
@@ -20,6 +22,7 @@ try:
     from fpv2.kernel.triton.tile_repack import (
         TILE_TOKENS,
         repack_to_tile_pages,
+        tile_batch,
         tile_pages_per_request,
         tile_repack_bytes,
     )
@@ -139,6 +142,25 @@ def test_strided_views_of_one_buffer_are_read_through_their_strides(layout: str)
     torch.testing.assert_close(packed.v_cache, want.v_cache, rtol=0, atol=0)
     k_rows = packed.k_cache.reshape(-1, 2, 64).float().cpu()
     torch.testing.assert_close(k_rows[128 * 1 : 128 * 1 + 333], case.keys[1].float().cpu(), rtol=0, atol=0)
+
+
+@needs_kernel
+def test_the_tile_batch_is_made_once_per_batch() -> None:
+    # Every layer of a forward pass copies its own K/V with one batch: the tile batch (and the C-ABI struct built
+    # from it) is made once; each copy still writes the page table and its own K/V.
+    case = make_case([40, 300], [40, 300], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, device=DEVICE)
+    first = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    assert tile_batch(case.batch) is first.batch
+    k2, v2 = case.k_cache * 2 + 1, case.v_cache - 3  # the next layer's K/V, in the same pages
+    second = repack_to_tile_pages(k2, v2, case.batch)
+    assert second.batch is first.batch and second.k_cache.data_ptr() != first.k_cache.data_ptr()
+    assert not torch.equal(second.k_cache[1], first.k_cache[1])  # the second layer's keys, not the first's
+    table = second.batch.page_table.tolist()
+    assert table[0][:1] == [0] and table[1] == [1, 2, 3]  # entries past a request's pages are never read
+    want = repack_to_tile_pages(k2, v2, dataclasses.replace(case.batch))  # a fresh batch object: a new tile batch
+    assert want.batch is not first.batch
+    torch.testing.assert_close(second.k_cache, want.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(second.v_cache, want.v_cache, rtol=0, atol=0)
 
 
 @needs_kernel

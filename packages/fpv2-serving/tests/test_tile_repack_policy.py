@@ -68,15 +68,27 @@ def test_auto_leaves_the_copy_out_when_memory_is_short(monkeypatch: pytest.Monke
     k_cache = torch.zeros(batch.num_pages, 1, 2, 64, dtype=torch.float16)
     needed = tile_repack_bytes(k_cache, batch)
     assert needed == 2 * 32 * 128 * 2 * 64 * 2
-    monkeypatch.setattr(tile_repack_policy, "repack_headroom_bytes", lambda device: int(needed / MAX_MEMORY_SHARE))
-    assert should_repack(batch, 128, "auto", k_cache=k_cache)
-    monkeypatch.setattr(tile_repack_policy, "repack_headroom_bytes", lambda device: int(needed / MAX_MEMORY_SHARE) - 1)
-    assert not should_repack(batch, 128, "auto", k_cache=k_cache)
+    asked = []
+    monkeypatch.setattr(tile_repack_policy, "copies_fit", lambda n, device: asked.append(n) or False)
+    assert not should_repack(batch, 128, "auto", k_cache=k_cache) and asked == [needed]
     assert should_repack(batch, 128, "1", k_cache=k_cache)  # forced: the caller asked for it
     assert should_repack(batch, 128, "auto")  # no cache given: no memory check
     monkeypatch.undo()
     assert tile_repack_policy.repack_headroom_bytes(torch.device("cpu")) is None  # off CUDA: no limit
     assert should_repack(batch, 128, "auto", k_cache=k_cache)
+
+
+def test_copies_fit_reads_the_allocator_only_when_free_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    free, headroom, allocator_reads = 1000, 3000, []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 10_000))
+    monkeypatch.setattr(
+        tile_repack_policy, "repack_headroom_bytes", lambda device: allocator_reads.append(device) or headroom
+    )
+    assert tile_repack_policy.copies_fit(int(MAX_MEMORY_SHARE * free), cuda) and allocator_reads == []
+    assert tile_repack_policy.copies_fit(int(MAX_MEMORY_SHARE * headroom), cuda) and len(allocator_reads) == 1
+    assert not tile_repack_policy.copies_fit(int(MAX_MEMORY_SHARE * headroom) + 1, cuda)
+    assert tile_repack_policy.copies_fit(10**12, torch.device("cpu"))  # off CUDA: no limit
 
 
 @pytest.mark.gpu

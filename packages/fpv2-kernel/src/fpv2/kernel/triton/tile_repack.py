@@ -16,6 +16,13 @@ consecutive tile pages in batch order. Rows past a request's KV length are
 zero-filled, so the kernel never reads stale values there. The copy runs on the
 device without a host synchronisation (its grid comes from the batch's cached
 host view).
+
+The tile batch (its page table and metadata) depends only on the batch's
+lengths, so it is made once per batch and kept on it, like the batch's host
+view: every layer of a forward pass copies its own K/V with the same batch and
+gets the same tile batch back (the C-ABI description of that batch is then
+built once too). The copy kernel rewrites the table's entries on every call
+(the same values).
 """
 
 from __future__ import annotations
@@ -196,14 +203,12 @@ def repack_to_tile_pages(
                 "the CPU; got caches on the CPU"
             )
         install_interpreter_index_fix()
-    pages = tile_pages_per_request(batch)
-    total = sum(pages)
-    device = k_cache.device
-    shape = (max(total, 1), TILE_TOKENS, num_kv_heads, head_dim)
-    k_tiles = torch.empty(shape, dtype=k_cache.dtype, device=device)
-    v_tiles = torch.empty(shape, dtype=k_cache.dtype, device=device)
-    # Entries past a request's last tile page are never read (the batch contract): the kernel writes the rest.
-    table = torch.empty((batch.num_requests, max(max(pages, default=0), 1)), dtype=torch.int32, device=device)
+    repacked = tile_batch(batch)
+    table = repacked.page_table
+    total = sum(tile_pages_per_request(batch))
+    shape = (repacked.num_pages, TILE_TOKENS, num_kv_heads, head_dim)
+    k_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    v_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
     if total > 0:
         row = num_kv_heads * head_dim
         grid = (total, TILE_TOKENS // tokens_per_program)
@@ -232,13 +237,42 @@ def repack_to_tile_pages(
             TOKENS=tokens_per_program,
             num_warps=num_warps,
         )
+    return TileRepacked(k_tiles, v_tiles, repacked)
+
+
+#: Key of the tile batch in a batch's instance dict (frozen dataclasses allow such entries, as ``host``).
+_TILE_BATCH_KEY = "_fpv2_tile_batch"
+
+
+def tile_batch(batch: PagedPrefillBatch) -> PagedPrefillBatch:
+    """The batch that addresses ``batch``'s tile pages, made on first use and kept on ``batch``.
+
+    Its query offsets and KV lengths are ``batch``'s own tensors and host view; its page table
+    (``(B, max pages) int32`` on the batch's device) is filled by the copy kernel on each call
+    (request ``b`` owns tile pages ``first[b] ..``, after the earlier requests'). The cache is
+    rebuilt when the batch's tensors' data pointers differ from the ones it was made for.
+
+    Args:
+        batch: the source batch.
+
+    Returns:
+        A :class:`PagedPrefillBatch` with ``page_size`` 128 and at least one page.
+    """
+    pointers = (batch.cu_seqlens_q.data_ptr(), batch.seqlens_k.data_ptr(), batch.page_table.data_ptr())
+    cached = batch.__dict__.get(_TILE_BATCH_KEY)
+    if cached is not None and cached[0] == pointers:
+        return cached[1]
+    pages = tile_pages_per_request(batch)
+    # Entries past a request's last tile page are never read (the batch contract): the kernel writes the rest.
+    table = torch.empty((batch.num_requests, max(max(pages, default=0), 1)), dtype=torch.int32, device=batch.device)
     repacked = PagedPrefillBatch(
         cu_seqlens_q=batch.cu_seqlens_q,
         seqlens_k=batch.seqlens_k,
         page_table=table,
         page_size=TILE_TOKENS,
-        num_pages=shape[0],
+        num_pages=max(sum(pages), 1),
         check_values=False,
     )
     repacked.assume_host_view(batch.host)
-    return TileRepacked(k_tiles, v_tiles, repacked)
+    batch.__dict__[_TILE_BATCH_KEY] = (pointers, repacked)
+    return repacked
