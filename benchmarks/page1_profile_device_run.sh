@@ -29,6 +29,10 @@
 #                                      no-sync test, benchmarks/repack_host_probe.py, fpv2 bench at 32K and 128K,
 #                                      page 1. Prediction: about 0.1 ms less eager time at 32K (the attention launch
 #                                      waited 0.26 ms for the host there), none at 128K (the host is ahead there)
+#   benchmarks/page1_profile_device_run.sh relaunch  the copy launched through the Relauncher (moved into the kernel
+#                                      wheel): the GPU tests of the copy, the relauncher's index users and the
+#                                      Hopper no-sync test, then benchmarks/repack_host_probe.py. Prediction:
+#                                      repack_to_tile_pages 72 -> 30-40 us of host time
 #   benchmarks/page1_profile_device_run.sh chunks  benchmarks/short_chunk_copy.py: chunks of 512-4096 queries after
 #                                      128K keys; page 1, copy against the gather; vLLM views, copy + Hopper against
 #                                      Triton. Prediction: against the gather the copy (0.34 ms) stops paying
@@ -58,6 +62,16 @@ if [ "$PART" = routing ]; then
     bench_row 1 "$L" "bench-page1-$L" 100 --page-size 1 --backend hopper
   done
   (cd "$RESULTS" && tar czf bench-page1.tgz bench-page1-* && rm -rf bench-page1-*)
+  exit 0
+fi
+if [ "$PART" = relaunch ]; then
+  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_tile_repack.py \
+    packages/fpv2-kernel/tests/test_triton_relaunch.py packages/fpv2-index/tests/test_triton_host_path.py \
+    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
+    > "$LOGS/pytest-relaunch.log" 2>&1
+  echo "GPU tests: rc=$? $(tail -1 "$LOGS/pytest-relaunch.log")"
+  grep -E "^FAILED|^E " "$LOGS/pytest-relaunch.log" | head -20 | cut -c1-300
+  with_packages timeout 100 python3 benchmarks/repack_host_probe.py 2>&1 | tee "$RESULTS/repack-host-probe.txt" | head -11
   exit 0
 fi
 if [ "$PART" = hostfix ]; then

@@ -10,6 +10,7 @@ CPU machines the kernel runs under the Triton interpreter; with a CUDA GPU it ru
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -178,3 +179,18 @@ def test_bad_caches_are_refused_with_their_name() -> None:
     halves = case.k_cache.reshape(-1, 2, *case.k_cache.shape[2:])  # the same tokens in pages of 2
     with pytest.raises(ValueError, match="pages of 2 tokens, the batch says page_size=4"):
         repack_to_tile_pages(halves, halves, case.batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the direct relaunch runs on a GPU (the interpreter launches normally)")
+@pytest.mark.skipif(os.environ.get("FPV2_TRITON_RELAUNCH") == "0", reason="relaunch disabled by the environment")
+def test_later_copies_relaunch_the_compiled_kernel_directly() -> None:
+    from fpv2.kernel.triton import tile_repack
+
+    case = make_case([90, 250], [90, 400], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=1, device=DEVICE)
+    first = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    before = tile_repack._REPACK.direct
+    again = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    assert tile_repack._REPACK.direct == before + 1
+    torch.testing.assert_close(again.k_cache, first.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(again.v_cache, first.v_cache, rtol=0, atol=0)

@@ -50,8 +50,9 @@ class MaxThresholdStrategy:
 
     def _workspace_for(self, device: torch.device):
         """The index workspace of ``device``'s current stream (created on first use)."""
+        from fpv2.kernel.triton.relaunch import _cuda_stream
+
         from ..triton import IndexWorkspace
-        from ..triton.launcher import _cuda_stream
 
         stream = 0
         if device.type == "cuda":

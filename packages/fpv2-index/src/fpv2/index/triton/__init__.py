@@ -4,7 +4,7 @@ The fast path of the ``max_threshold`` strategy on CUDA (and, under
 ``TRITON_INTERPRET=1``, on the CPU for tests). Same semantics as the PyTorch
 reference in :mod:`fpv2.index.reference`; see :func:`select_blocks_triton` for
 the host-sync behaviour, :class:`IndexWorkspace` for the scratch bound,
-:mod:`.launcher` for how kernels are relaunched cheaply and
+:mod:`fpv2.kernel.triton.relaunch` for how kernels are relaunched cheaply and
 :class:`GraphedIndex` for replaying the whole stage as a CUDA graph.
 """
 

@@ -16,7 +16,7 @@ fused scoring/selection kernel (which also writes ``tile_offsets`` and all of
 one, the key preparation, runs only when the statistics carry no matching
 scoring copy (another softmax scale or query dtype than pooling expected, or
 statistics not pooled by :func:`pool_blocks_triton`). Nothing is zero-filled.
-Launches go through :class:`~.launcher.Relauncher`, which relaunches a
+Launches go through :class:`~fpv2.kernel.triton.relaunch.Relauncher`, which relaunches a
 compiled kernel without ``JITFunction.run``'s per-call bookkeeping.
 
 Memory: each function's outputs are fresh tensors on every call (callers keep
@@ -42,11 +42,11 @@ from fpv2.kernel.contracts import (
     num_key_blocks,
     num_query_tiles,
 )
+from fpv2.kernel.triton.relaunch import interpreter_enabled
 
 from ..config import SelectionConfig
 from . import tuning
 from .compaction import launch_compact
-from .launcher import interpreter_enabled
 from .outputs import fresh_outputs
 from .pooling import launch_pool
 from .prepared_keys import (

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import Relauncher
+from fpv2.kernel.triton.relaunch import Relauncher
+
 from .tuning import next_power_of_2
 from .workspace import WORD_BITS
 

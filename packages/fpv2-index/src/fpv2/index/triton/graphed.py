@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch
+from fpv2.kernel.triton.relaunch import interpreter_enabled
 
 from ..config import SelectionConfig
 from .api import pool_blocks_triton, select_blocks_triton
-from .launcher import interpreter_enabled
 from .workspace import IndexWorkspace
 
 

@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fpv2.kernel.triton.relaunch import Relauncher
+
 from . import tuning
-from .launcher import Relauncher
 from .outputs import fresh_outputs
 from .tuning import next_power_of_2
 

@@ -89,8 +89,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from fpv2.kernel.triton.relaunch import Relauncher
+
 from . import tuning
-from .launcher import Relauncher
 from .prepared_keys import DOT_BF16 as DOT_BF16  # re-exported: the dot kinds and LOG2E used to live here
 from .prepared_keys import DOT_DTYPES
 from .prepared_keys import DOT_FP16 as DOT_FP16

@@ -36,6 +36,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..contracts import PagedPrefillBatch
 from .interpreter_compat import install_interpreter_index_fix
+from .relaunch import Relauncher
 
 #: Tokens per tile page (the Hopper kernel's KV tile and the index's key block).
 TILE_TOKENS = 128
@@ -109,6 +110,10 @@ def tile_repack_kernel(
     v_cols = head.to(tl.int64) * v_head_stride + within
     v = tl.load(VSrc + v_row[:, None] + v_cols[None, :], mask=load_mask, other=0.0)
     tl.store(VDst + dst, v, mask=in_row[None, :])
+
+
+#: The copy's launcher: after the first launch at a shape, later ones skip ``JITFunction.run`` (:mod:`.relaunch`).
+_REPACK = Relauncher(tile_repack_kernel)
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,8 @@ def repack_to_tile_pages(
     if total > 0:
         row = num_kv_heads * head_dim
         grid = (total, TILE_TOKENS // tokens_per_program)
-        tile_repack_kernel[grid](
+        _REPACK(
+            grid,
             k_cache,
             v_cache,
             k_tiles,

@@ -30,7 +30,9 @@ while Triton launch hooks or pre-run hooks are installed (profilers), for
 async-compile futures, for grids given as callables, when the installed
 Triton lacks the entry points used here, or with ``FPV2_TRITON_RELAUNCH=0``.
 Unlike ``JITFunction.run`` a relaunch does not re-check the kernel's global
-variables: the kernels of this package read none that change.
+variables: the fpv2 kernels launched through it (the index stage's, the tile
+repack) read none that change. It lives in the kernel wheel, which every other
+fpv2 wheel depends on, so each of them can launch through it.
 """
 
 from __future__ import annotations
