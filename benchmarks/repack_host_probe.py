@@ -1,10 +1,10 @@
 """Host time of the Hopper backend's tile-repack path on an idle GPU, piece by piece (32K, page 1, 32/8 heads, d 128).
 
-Prints the median host microseconds of: the policy's decision (``should_repack`` with the memory check) and its two
-device queries (``torch.cuda.mem_get_info``, the allocator's counters); ``repack_to_tile_pages`` (validation,
-allocation, the Triton launch, the tile batch); building a ``PagedPrefillBatch`` like the one it returns; the
-C-ABI batch struct of a new batch and of a batch seen before. Each sample starts after a
-``torch.cuda.synchronize``, as a pipeline call on an idle GPU does.
+Prints the median host microseconds of: the policy's decision (``should_repack`` with the memory check) and its
+two device queries (``torch.cuda.mem_get_info``, the allocator's counters); ``repack_to_tile_pages`` (validation,
+allocation, the Triton launch, the tile batch), also with every launch through ``JITFunction.run``; building a
+``PagedPrefillBatch`` like the one it returns; the C-ABI batch struct of a new batch and of a batch seen before.
+Each sample starts after a ``torch.cuda.synchronize``, as a pipeline call on an idle GPU does.
 
 Usage (the packages' ``src`` on ``PYTHONPATH``, on a GPU): ``python benchmarks/repack_host_probe.py``
 """
@@ -12,6 +12,7 @@ Usage (the packages' ``src`` on ``PYTHONPATH``, on a GPU): ``python benchmarks/r
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ import torch
 from fpv2.kernel import PagedPrefillBatch
 from fpv2.kernel._native import structs
 from fpv2.kernel.testing import planted_workload
+from fpv2.kernel.triton.relaunch import RELAUNCH_ENV
 from fpv2.kernel.triton.tile_repack import repack_to_tile_pages
 from fpv2.serving.tile_repack_policy import repack_headroom_bytes, should_repack
 from fpv2.serving.timing import median
@@ -34,6 +36,15 @@ def median_us(fn: Callable[[], object], calls: int = 50) -> float:
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
     return round(median(samples), 1)
+
+
+def _without_relaunch(measure: Callable[[], float]) -> float:
+    """``measure()`` with every launch through ``JITFunction.run`` (the relauncher switched off)."""
+    os.environ[RELAUNCH_ENV] = "0"
+    try:
+        return measure()
+    finally:
+        del os.environ[RELAUNCH_ENV]
 
 
 def main() -> None:
@@ -60,6 +71,9 @@ def main() -> None:
         "torch.cuda.memory_stats_as_nested_dict": median_us(lambda: torch.cuda.memory_stats_as_nested_dict(device)),
         "repack_headroom_bytes": median_us(lambda: repack_headroom_bytes(device)),
         "repack_to_tile_pages": median_us(lambda: repack_to_tile_pages(wl.k_cache, wl.v_cache, wl.batch)),
+        "repack_to_tile_pages (FPV2_TRITON_RELAUNCH=0)": _without_relaunch(
+            lambda: median_us(lambda: repack_to_tile_pages(wl.k_cache, wl.v_cache, wl.batch))
+        ),
         "PagedPrefillBatch(check_values=False)": median_us(new_tile_batch),
         "paged_batch_struct (new batch)": median_us(lambda: structs.paged_batch_struct(new_tile_batch())),
         "paged_batch_struct (same batch)": median_us(lambda: structs.paged_batch_struct(tile)),
