@@ -51,6 +51,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start page1-profile "${1:-all}" "${REPACK_BIN:-.carry/head}"
 RESULTS="$OUT"
 
+# GPU tests into $LOGS/pytest-NAME.log, the summary line and the failures printed: gpu_tests NAME LIMIT PYTEST_ARG...
+gpu_tests() {
+  local name="$1" limit="$2"
+  shift 2
+  with_packages timeout "$limit" python3 -m pytest -p no:cacheprovider -q "$@" > "$LOGS/pytest-$name.log" 2>&1
+  echo "GPU tests ($name): rc=$? $(tail -1 "$LOGS/pytest-$name.log")"
+  grep -E "^FAILED|^E " "$LOGS/pytest-$name.log" | head -20 | cut -c1-300
+}
+
 if [ "$PART" = routing ]; then
   # Prediction: the copy moves the page-1 sparse curve down at 16K-32K (32K 3.26 -> ~2.2 ms, the bench's figure)
   # and the dense curve (its own dense mode, also copied) 18.7 -> ~12.5 ms at 32K; the switch point stays near 9K.
@@ -65,22 +74,16 @@ if [ "$PART" = routing ]; then
   exit 0
 fi
 if [ "$PART" = relaunch ]; then
-  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_tile_repack.py \
-    packages/fpv2-kernel/tests/test_triton_relaunch.py packages/fpv2-index/tests/test_triton_host_path.py \
-    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
-    > "$LOGS/pytest-relaunch.log" 2>&1
-  echo "GPU tests: rc=$? $(tail -1 "$LOGS/pytest-relaunch.log")"
-  grep -E "^FAILED|^E " "$LOGS/pytest-relaunch.log" | head -20 | cut -c1-300
+  gpu_tests relaunch 200 packages/fpv2-kernel/tests/test_tile_repack.py packages/fpv2-kernel/tests/test_triton_relaunch.py \
+    packages/fpv2-index/tests/test_triton_host_path.py \
+    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync"
   with_packages timeout 100 python3 benchmarks/repack_host_probe.py 2>&1 | tee "$RESULTS/repack-host-probe.txt" | head -11
   exit 0
 fi
 if [ "$PART" = hostfix ]; then
-  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_tile_repack.py \
-    packages/fpv2-serving/tests/test_tile_repack_policy.py packages/fpv2-serving/tests/test_fallback_backend.py \
-    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
-    > "$LOGS/pytest-hostfix.log" 2>&1
-  echo "GPU tests: rc=$? $(tail -1 "$LOGS/pytest-hostfix.log")"
-  grep -E "^FAILED|^E " "$LOGS/pytest-hostfix.log" | head -20 | cut -c1-300
+  gpu_tests hostfix 200 packages/fpv2-kernel/tests/test_tile_repack.py packages/fpv2-serving/tests/test_tile_repack_policy.py \
+    packages/fpv2-serving/tests/test_fallback_backend.py \
+    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync"
   with_packages timeout 100 python3 benchmarks/repack_host_probe.py 2>&1 | tee "$RESULTS/repack-host-probe.txt" | head -11
   for L in 32768 131072; do
     bench_row 1 "$L" "bench-page1-$L-hostfix" 100 --page-size 1 --backend hopper
@@ -105,12 +108,9 @@ if [ "$PART" = chunks ]; then
   exit 0
 fi
 if [ "$PART" = views ]; then
-  with_packages timeout 240 python3 -m pytest -p no:cacheprovider -q packages/fpv2-serving/tests/test_tile_repack_policy.py \
-    packages/fpv2-serving/tests/test_fallback_backend.py packages/fpv2-serving/tests/test_adapter_transformers.py \
-    packages/fpv2-serving/tests/test_serving_gpu.py packages/fpv2-index/tests/test_triton_pooled_copies.py \
-    > "$LOGS/pytest-views.log" 2>&1
-  echo "views tests: rc=$? $(tail -1 "$LOGS/pytest-views.log")"
-  grep -E "^FAILED|^E " "$LOGS/pytest-views.log" | head -20 | cut -c1-300
+  gpu_tests views 240 packages/fpv2-serving/tests/test_tile_repack_policy.py packages/fpv2-serving/tests/test_fallback_backend.py \
+    packages/fpv2-serving/tests/test_adapter_transformers.py packages/fpv2-serving/tests/test_serving_gpu.py \
+    packages/fpv2-index/tests/test_triton_pooled_copies.py
   for mode in auto 0; do
     FPV2_HOPPER_REPACK=$mode with_packages timeout 150 python3 benchmarks/transformers_long_prefill.py \
       --seqlens 32768 65536 --no-dense-reference --out "$RESULTS/transformers-repack-$mode" \
@@ -121,11 +121,8 @@ if [ "$PART" = views ]; then
   exit 0
 fi
 if [ "$PART" = sync ]; then
-  with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q -x \
-    "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
-    packages/fpv2-serving/tests/test_tile_repack_policy.py > "$LOGS/pytest-sync.log" 2>&1
-  echo "sync tests: rc=$? $(tail -1 "$LOGS/pytest-sync.log")"
-  grep -E "^E " "$LOGS/pytest-sync.log" | head -30 | cut -c1-400
+  gpu_tests sync 200 -x "packages/fpv2-serving/tests/test_sync_free.py::test_hopper_pipeline_makes_no_host_sync" \
+    packages/fpv2-serving/tests/test_tile_repack_policy.py
   with_packages python3 -c '
 import timeit, torch
 from fpv2.serving.tile_repack_policy import repack_headroom_bytes
@@ -137,11 +134,8 @@ for name, fn in (("two memory_stats", old), ("one nested dict", lambda: repack_h
   exit 0
 fi
 
-with_packages timeout 200 python3 -m pytest -p no:cacheprovider -q packages/fpv2-kernel/tests/test_tile_repack.py \
-  packages/fpv2-serving/tests/test_tile_repack_policy.py packages/fpv2-serving/tests/test_fallback_backend.py \
-  > "$LOGS/pytest-repack.log" 2>&1
-echo "GPU tests: rc=$? $(tail -1 "$LOGS/pytest-repack.log")"
-grep -E "^FAILED" "$LOGS/pytest-repack.log" | head -20
+gpu_tests repack 200 packages/fpv2-kernel/tests/test_tile_repack.py packages/fpv2-serving/tests/test_tile_repack_policy.py \
+  packages/fpv2-serving/tests/test_fallback_backend.py
 for page in 1 128; do
   with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size "$page" \
     --backend hopper --out "$RESULTS/profile-page$page" > "$LOGS/profile-page$page.log" 2>&1

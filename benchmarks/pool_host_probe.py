@@ -10,26 +10,12 @@ Usage (the packages' ``src`` on ``PYTHONPATH``, on a GPU): ``python benchmarks/p
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 
 from fpv2.index.triton import pool_blocks_triton, pooling
 from fpv2.index.triton.outputs import fresh_outputs
 from fpv2.kernel.testing import planted_workload
-from fpv2.serving.timing import median
-
-
-def median_us(fn: Callable[[], object], calls: int = 50) -> float:
-    """Median host microseconds of ``fn``, each call after a device synchronisation."""
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return round(median(samples), 1)
+from fpv2.serving.timing import idle_host_us as median_us
 
 
 class RecordingLauncher:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -24,18 +23,7 @@ from fpv2.kernel.testing import planted_workload
 from fpv2.kernel.triton.relaunch import RELAUNCH_ENV
 from fpv2.kernel.triton.tile_repack import repack_to_tile_pages
 from fpv2.serving.tile_repack_policy import repack_headroom_bytes, should_repack
-from fpv2.serving.timing import median
-
-
-def median_us(fn: Callable[[], object], calls: int = 50) -> float:
-    """Median host microseconds of ``fn``, each call after a device synchronisation."""
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return round(median(samples), 1)
+from fpv2.serving.timing import idle_host_us as median_us
 
 
 def _without_relaunch(measure: Callable[[], float]) -> float:

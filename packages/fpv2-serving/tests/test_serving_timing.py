@@ -220,3 +220,14 @@ def test_host_ahead_samples_keep_the_lead_that_worked(monkeypatch):
     assert samples == [pytest.approx(2.0)] * 3
     assert fakes.calls == 4, "one redo for the first call, none after: the longer lead is reused"
     assert seen == [("result 2", True), ("result 3", True), ("result 4", True)] and result == "result 4"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_idle_host_us_times_each_call_after_a_sync():
+    from fpv2.serving.timing import idle_host_us
+
+    calls = []
+    us = idle_host_us(lambda: calls.append(torch.cuda.current_stream().query()), calls=7)
+    assert len(calls) == 7 and all(calls)  # every call found the GPU idle
+    assert us > 0 and round(us, 1) == us

@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import hopper_runs_here
 
 from fpv2.index import SelectionConfig, build_block_index, register_strategy, unregister_strategy
 from fpv2.index.strategies.max_threshold import MaxThresholdStrategy
@@ -234,17 +235,9 @@ def test_gpu_pipeline_and_chunked_prefill_make_no_host_sync():
     }
 
 
-def _hopper_runs_here() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    from fpv2.serving.backends import HopperBackend
-
-    return HopperBackend().available()[0]
-
-
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.skipif(not _hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+@pytest.mark.skipif(not hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
 @pytest.mark.parametrize("page_size", [1, 128])
 def test_hopper_pipeline_makes_no_host_sync(page_size):
     """Steady state on the Hopper backend, corrected and not, the tile repack included at page size 1."""

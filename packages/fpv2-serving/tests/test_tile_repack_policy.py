@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import hopper_runs_here
 
 from fpv2.kernel import PagedPrefillBatch
 from fpv2.serving import tile_repack_policy
@@ -133,17 +134,9 @@ def test_without_triton_auto_keeps_the_gather_and_1_is_refused(monkeypatch: pyte
         should_repack(_batch([4096], [4096], 1), 128, "1")
 
 
-def _hopper_runs_here() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    from fpv2.serving.backends import HopperBackend
-
-    return HopperBackend().available()[0]
-
-
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.skipif(not _hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+@pytest.mark.skipif(not hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
 def test_hopper_backend_at_page_1_matches_the_reference_with_and_without_the_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -166,7 +159,7 @@ def test_hopper_backend_at_page_1_matches_the_reference_with_and_without_the_cop
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.skipif(not _hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+@pytest.mark.skipif(not hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
 def test_vllm_views_run_on_the_kernel_through_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     from fpv2.kernel.reference import dense_attention
     from fpv2.kernel.testing.workloads import planted_workload
@@ -189,7 +182,7 @@ def test_vllm_views_run_on_the_kernel_through_the_copy(monkeypatch: pytest.Monke
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.skipif(not _hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+@pytest.mark.skipif(not hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
 @pytest.mark.parametrize("kv_len", [2048, 1000])  # pages of 128 (tile-sized) and of 8 tokens
 def test_transformers_head_major_views_run_on_the_kernel_through_the_copy(kv_len: int) -> None:
     from fpv2.kernel.reference import dense_attention

@@ -126,6 +126,28 @@ def median(values: list[float]) -> float:
     return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
+def idle_host_us(fn: Callable[[], object], calls: int = 50) -> float:
+    """Median host microseconds of ``fn`` started on an idle GPU (each call after ``torch.cuda.synchronize``).
+
+    The host cost of issuing work, as a pipeline call pays it when nothing is queued ahead of it
+    (the benchmarks' host probes).
+
+    Args:
+        fn: the call.
+        calls: samples.
+
+    Returns:
+        The median, rounded to 0.1 us.
+    """
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return round(median(samples), 1)
+
+
 def timed_call(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
     """Milliseconds of one call: CUDA events around it on a GPU, ``perf_counter`` on the (synchronous) CPU.
 
