@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import same_output_in_and_out_of_inference_mode
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference.attention import dense_attention
@@ -71,13 +72,6 @@ def test_pipeline_on_cuda_runs_in_and_out_of_inference_mode(page_size):
     w = planted_workload(
         [4096], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=page_size, dtype=torch.bfloat16, device="cuda"
     )
-    pipeline = SparsePrefillPipeline(SelectionConfig(min_sparse_kv_len=0))
-    outs = []
-    for inference in (True, False, True):
-        with torch.inference_mode(inference):
-            result = pipeline(w.q, w.k_cache, w.v_cache, w.batch)
-        outs.append(result.out)
-        assert result.index.density(w.batch) < 1.0
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    out = same_output_in_and_out_of_inference_mode(SparsePrefillPipeline(SelectionConfig(min_sparse_kv_len=0)), w)
     want = dense_attention(w.q, w.k_cache, w.v_cache, w.batch)
-    assert float((outs[0].float() - want).norm() / want.norm()) < 0.1
+    assert float((out.float() - want).norm() / want.norm()) < 0.1

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import same_output_in_and_out_of_inference_mode
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference.attention import dense_attention
@@ -137,14 +138,7 @@ def test_pipeline_runs_in_and_out_of_inference_mode():
     # pipeline's cached workspaces and must give the same output.
     w = planted_workload([256], [640], num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, seed=5)
     config = SelectionConfig(alpha=0.1, min_sparse_kv_len=0, sink_tokens=128, window_tokens=128)
-    pipeline = SparsePrefillPipeline(config, backend="triton")
-    outs = []
-    for inference in (True, False, True):
-        with torch.inference_mode(inference):
-            result = pipeline(w.q, w.k_cache, w.v_cache, w.batch)
-        outs.append(result.out)
-        assert result.index.density(w.batch) < 1.0
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    same_output_in_and_out_of_inference_mode(SparsePrefillPipeline(config, backend="triton"), w)
 
 
 @pytest.mark.parametrize("correction", [True, False])
