@@ -96,6 +96,23 @@ def test_bench_tiny_cpu_writes_results_summary_and_png(tmp_path, capsys):
     assert pngs[0].read_bytes()[:8] == PNG_MAGIC
 
 
+def test_bench_on_vllm_views_gives_the_paged_runs_results(tmp_path, capsys):
+    # --cache-layout vllm hands the pipeline vLLM's strided K/V views of one buffer: same values, other strides.
+    rows = {}
+    for layout in ("paged", "vllm"):
+        out = tmp_path / layout
+        code = main(["bench", *TINY_RUN, "--page-size", "16", "--cache-layout", layout, "--out", str(out)])
+        assert code == 0, capsys.readouterr().err
+        results = list(out.glob("bench-*.json"))
+        assert len(results) == 1 and (layout == "vllm") == ("-p16-vllm-" in results[0].name)
+        payload = json.loads(results[0].read_text())
+        assert payload["config"]["cache_layout"] == layout
+        rows[layout] = [r for r in payload["rows"] if r["impl"].startswith("fpv2-sparse")]
+        assert rows[layout] and all(r["cache_layout"] == layout for r in rows[layout])
+    paged, vllm = rows["paged"][0], rows["vllm"][0]
+    assert vllm["density"] == paged["density"] and vllm["rel_err"] == pytest.approx(paged["rel_err"], rel=1e-6)
+
+
 def test_bench_needle_and_ablation(tmp_path, capsys):
     code = main(["bench", *TINY_RUN, "--needle", "--ablation", "--repeats", "1", "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
@@ -134,6 +151,7 @@ def test_cpu_defaults_are_small_and_announced():
         (["bench", "--strategy", "nope"], "--strategy 'nope' is unknown"),
         (["bench", "--no-correction", "--ablation"], "exclude each other"),
         (["bench", "--dtype", "int8"], "invalid choice"),
+        (["bench", "--cache-layout", "sglang"], "invalid choice"),
         (["bench", "-L", "many"], "invalid int value"),
         (["bench", "--device", "tpu:0"], "--device"),
         (["frobnicate"], "invalid choice"),

@@ -74,6 +74,9 @@ class BenchConfig:
     heatmap_head: int
     needle: bool
     progress: bool = True
+    #: ``paged`` (a contiguous paged cache per K and V) or ``vllm`` (vLLM 0.33's strided K/V views of one
+    #: ``(num_blocks, Hkv, page_size, 2 d)`` buffer, :func:`~fpv2.serving.adapters.vllm_kv_cache.kv_cache_views`).
+    cache_layout: str = "paged"
 
     @property
     def workload(self) -> str:
@@ -83,9 +86,10 @@ class BenchConfig:
     @property
     def tag(self) -> str:
         """File-name tag of this configuration."""
+        layout = "" if self.cache_layout == "paged" else f"-{self.cache_layout}"
         return (
             f"{self.dtype}-B{self.batch}-L{self.seqlen}-Hq{self.q_heads}-Hkv{self.kv_heads}-d{self.head_dim}"
-            f"-p{self.page_size}-{self.workload}"
+            f"-p{self.page_size}{layout}-{self.workload}"
         )
 
     def corrections(self) -> tuple[bool, ...]:
@@ -133,13 +137,25 @@ def _prepare_inputs(cfg: BenchConfig, device: torch.device) -> _Inputs:
         seed=cfg.seed,
     )
     if cfg.dtype != "fp8":
-        return _Inputs(wl, wl.q, wl.k_cache, wl.v_cache, {})
+        return _Inputs(wl, wl.q, *_in_layout(wl.k_cache, wl.v_cache, cfg.cache_layout), {})
     from fpv2.kernel.reference.fp8 import quantize_cache, quantize_queries
 
     q8, qd = quantize_queries(wl.q, wl.batch, cfg.kv_heads)
     k8, kd = quantize_cache(wl.k_cache, wl.batch)
     v8, vd = quantize_cache(wl.v_cache, wl.batch)
+    k8, v8 = _in_layout(k8, v8, cfg.cache_layout)
     return _Inputs(wl, q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd})
+
+
+def _in_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as the layout has them: as they are (``paged``), or as vLLM's views of one buffer (``vllm``)."""
+    if layout == "paged":
+        return k_cache, v_cache
+    from .adapters.vllm_kv_cache import kv_cache_views
+
+    # vLLM 0.33's per-layer buffer: (num_blocks, Hkv, block_size, 2 d), key then value per (block, head, slot).
+    buffer = torch.cat([k_cache, v_cache], dim=-1).transpose(1, 2).contiguous()
+    return kv_cache_views(buffer, k_cache.shape[-1])
 
 
 def _kernel_that_ran(backend: object) -> str:
@@ -281,6 +297,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
         "Hkv": cfg.kv_heads,
         "d": cfg.head_dim,
         "page_size": cfg.page_size,
+        "cache_layout": cfg.cache_layout,
         "workload": cfg.workload,
         "commit": commit,
         "gpu": gpu,

@@ -69,6 +69,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     size.add_argument("--head-dim", type=int, help="head dimension d (64, 128 or 256)")
     size.add_argument("--page-size", type=int, help="KV cache page size (default 1)")
     size.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8"), help="input element type")
+    size.add_argument(
+        "--cache-layout",
+        choices=("paged", "vllm"),
+        default="paged",
+        help="K/V as one paged cache each (default), or as vLLM's strided views of one buffer per layer",
+    )
     wl = bench.add_argument_group("workload")
     wl.add_argument("--fraction", type=float, default=0.02, help="share of planted key blocks per KV head")
     wl.add_argument("--margin", type=float, default=7.0, help="logit margin of the planted blocks")
@@ -207,6 +213,7 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         heatmap_head=args.heatmap_head,
         needle=args.needle,
         progress=not args.no_progress,
+        cache_layout=args.cache_layout,
     )
     return config, notices
 
