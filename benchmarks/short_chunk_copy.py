@@ -5,8 +5,9 @@ the corrected pipeline, alternating (A, B, B, A), median eager milliseconds of `
 
 - ``page1``: page size 1, the Hopper backend with the copy forced (``FPV2_HOPPER_REPACK=1``) against its cp.async
   gather (``=0``): where ``tile_repack_policy.MIN_QUERY_SHARE`` should be for caches the kernel reads itself;
-- ``vllm``: vLLM 0.33's K/V views at block size 16 (head stride ``2 d``, which only the copy reads), the Hopper
-  backend with the copy forced against the Triton backend (where such chunks go without the copy).
+- ``vllm``: vLLM 0.33's K/V views at block size 16 (head-major order, head stride ``16 * 2 d``: only the copy
+  reads them), the Hopper backend with the copy forced against the Triton backend (where such chunks go without
+  the copy).
 
 Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native library):
 ``python benchmarks/short_chunk_copy.py --seqlen 131072 --chunks 512 1024 2048 4096 --out short-chunks.json``
@@ -24,7 +25,7 @@ import torch
 
 from fpv2.kernel.testing import planted_workload
 from fpv2.serving import SparsePrefillPipeline
-from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views
+from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views, paged_as_kv_cache
 from fpv2.serving.tile_repack_policy import REPACK_ENV
 from fpv2.serving.timing import median, timed_samples
 
@@ -49,7 +50,8 @@ def page1_row(chunk: int, seqlen: int, repeats: int, device: torch.device) -> di
 def vllm_row(chunk: int, seqlen: int, repeats: int, device: torch.device) -> dict:
     """vLLM's views at block size 16: copy + Hopper against the Triton backend."""
     wl = planted_workload([chunk], [seqlen], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, device=device)
-    buffer = torch.cat([wl.k_cache, wl.v_cache], dim=-1).transpose(1, 2).contiguous()  # (blocks, Hkv, 16, 2d)
+    # The layout of the 2026-12-04 measurement: head-major inside a block (token stride 2d, head stride 16 x 2d).
+    buffer = paged_as_kv_cache(wl.k_cache, wl.v_cache, "HND")
     k_view, v_view = kv_cache_views(buffer, 128)
     pipelines = {"copy": SparsePrefillPipeline(backend="hopper"), "triton": SparsePrefillPipeline(backend="triton")}
     runs: dict[str, list[float]] = {"copy": [], "triton": []}

@@ -1,7 +1,8 @@
 """vLLM's K/V views on the Hopper kernel through the tile repack, against the Triton kernel that served them before.
 
 vLLM 0.33 keeps one ``(num_blocks, Hkv, block_size, 2 d)`` buffer per layer and reads it as two strided views
-(head stride ``2 d``), which the Hopper kernel cannot read as rows; the tile repack reads any strides. For each
+(here its head-major order: token stride ``2 d``, head stride ``block_size * 2 d``), which the Hopper kernel cannot
+read as rows; the tile repack reads any strides. For each
 ``--lengths`` entry, the planted corrected pipeline at block size 16 runs on such views with the Triton backend
 and with copy + Hopper, alternating (Hopper, Triton, Triton, Hopper); prints and writes the eager and host-ahead
 GPU medians of each and the relative difference of the two outputs.
@@ -24,7 +25,7 @@ import torch
 
 from fpv2.kernel.testing import planted_workload
 from fpv2.serving import SparsePrefillPipeline
-from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views
+from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views, paged_as_kv_cache
 from fpv2.serving.backends import HopperBackend, resolve_backend
 from fpv2.serving.timing import host_ahead_samples, median, timed_samples
 
@@ -42,7 +43,8 @@ def vllm_view_rows(lengths: list[int], repeats: int, device: torch.device) -> li
     rows = []
     for length in lengths:
         wl = planted_workload([length], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, device=device)
-        buffer = torch.cat([wl.k_cache, wl.v_cache], dim=-1).transpose(1, 2).contiguous()  # (blocks, Hkv, 16, 2d)
+        # The layout of the 2026-12-04 measurement: head-major inside a block (token stride 2d, head stride 16 x 2d).
+        buffer = paged_as_kv_cache(wl.k_cache, wl.v_cache, "HND")
         k_view, v_view = kv_cache_views(buffer, 128)
         hopper = HopperBackend()
         pipelines = {"hopper": SparsePrefillPipeline(backend=hopper), "triton": SparsePrefillPipeline(backend="triton")}

@@ -29,7 +29,7 @@ from fpv2.kernel.reference.paged import gather_kv
 from fpv2.kernel.testing import planted_workload
 from fpv2.serving import SparsePrefillPipeline
 from fpv2.serving.adapters.vllm_forward import forward_split_batch
-from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views, write_kv_cache
+from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views, paged_as_kv_cache, write_kv_cache
 from fpv2.serving.adapters.vllm_metadata import (
     BatchSplit,
     Fpv2VllmMetadata,
@@ -335,6 +335,23 @@ def test_write_kv_cache_refuses_bad_inputs():
         write_kv_cache(step.k_new, step.v_new, kv_cache, torch.tensor([0, 1, 2, 32]))
     with pytest.raises(ValueError, match="2 \\* head_size"):
         kv_cache_views(kv_cache, 32)
+
+
+@pytest.mark.parametrize(("layout", "head_stride"), [("NHD", 2 * D), ("HND", BS * 2 * D)])
+def test_paged_as_kv_cache_inverts_the_views(layout, head_stride):
+    k = torch.randn(3, BS, HKV, D)
+    v = torch.randn(3, BS, HKV, D)
+    kv_cache = paged_as_kv_cache(k, v, layout)
+    assert kv_cache.shape == (3, HKV, BS, 2 * D)
+    k_view, v_view = kv_cache_views(kv_cache, D)
+    assert torch.equal(k_view, k) and torch.equal(v_view, v)
+    assert k_view.stride() == (BS * HKV * 2 * D, 2 * D if layout == "HND" else HKV * 2 * D, head_stride, 1)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        paged_as_kv_cache(k, v, "DHN")
+    with pytest.raises(ValueError, match="share one"):
+        paged_as_kv_cache(k, v[:2])
+    with pytest.raises(TypeError, match="dtype"):
+        paged_as_kv_cache(k, v.half())
 
 
 # ----------------------------------------------------------------------------- prefill forward

@@ -125,7 +125,7 @@ def test_hopper_backend_takes_caches_only_the_tile_repack_reads_when_the_copy_is
     from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views
 
     hopper = registry.HopperBackend()
-    # vLLM 0.33's per-layer buffer (num_blocks, Hkv, block_size, 2 d) read as K/V views: head stride 2 d.
+    # vLLM 0.33's per-layer buffer (num_blocks, Hkv, block_size, 2 d), head-major inside a block, read as K/V views.
     k_view, _ = kv_cache_views(torch.zeros(64, 2, 16, 256, dtype=torch.bfloat16), 128)
     assert "head stride d" in hopper._cache_layout_problem(k_view)
     whole_prompt = PagedPrefillBatch.contiguous([100], [100], page_size=16)

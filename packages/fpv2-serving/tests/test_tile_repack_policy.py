@@ -164,12 +164,11 @@ def test_vllm_views_run_on_the_kernel_through_the_copy(monkeypatch: pytest.Monke
     from fpv2.kernel.reference import dense_attention
     from fpv2.kernel.testing.workloads import planted_workload
     from fpv2.serving import SparsePrefillPipeline
-    from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views
+    from fpv2.serving.adapters.vllm_kv_cache import kv_cache_views, paged_as_kv_cache
 
     monkeypatch.setenv(REPACK_ENV, "auto")
     wl = planted_workload([700, 1500], num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16, device="cuda")
-    buffer = torch.cat([wl.k_cache, wl.v_cache], dim=-1).transpose(1, 2).contiguous()  # vLLM's (blocks, Hkv, 16, 2d)
-    k_view, v_view = kv_cache_views(buffer, 128)
+    k_view, v_view = kv_cache_views(paged_as_kv_cache(wl.k_cache, wl.v_cache, "HND"), 128)
     torch.testing.assert_close(k_view, wl.k_cache, rtol=0, atol=0, equal_nan=True)
     pipeline = SparsePrefillPipeline(strategy="dense", correction=False)  # auto: the Hopper kernel where it serves
     got = pipeline(wl.q, k_view, v_view, wl.batch).out.float()

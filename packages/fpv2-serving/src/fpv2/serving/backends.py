@@ -321,11 +321,10 @@ class HopperBackend:
             return False
 
     def _copies(self, k_cache: torch.Tensor, batch: PagedPrefillBatch) -> bool:
-        """Whether a call's K/V go through the tile repack: the policy says so, or the kernel cannot read them."""
-        if should_repack(batch, self.kv_tile, k_cache=k_cache):
-            return True
-        # ``serves`` accepted a cache only the copy reads; copy it even if the memory check changed its mind since.
-        return self._cache_layout_problem(k_cache) is not None
+        """Whether a call's K/V go through the tile repack: the kernel cannot read them, or the policy says so."""
+        # ``serves`` took a cache only the copy reads after asking the policy: copy it without asking again (the
+        # memory check might also have changed its mind since).
+        return self._cache_layout_problem(k_cache) is not None or should_repack(batch, self.kv_tile, k_cache=k_cache)
 
     @staticmethod
     def _cache_layout_problem(cache: torch.Tensor) -> str | None:

@@ -75,7 +75,7 @@ class BenchConfig:
     needle: bool
     progress: bool = True
     #: ``paged`` (a contiguous paged cache per K and V) or ``vllm`` (vLLM 0.33's strided K/V views of one
-    #: ``(num_blocks, Hkv, page_size, 2 d)`` buffer, :func:`~fpv2.serving.adapters.vllm_kv_cache.kv_cache_views`).
+    #: layer buffer in its default token-major order, :func:`~fpv2.serving.adapters.vllm_kv_cache.paged_as_kv_cache`).
     cache_layout: str = "paged"
 
     @property
@@ -151,11 +151,9 @@ def _in_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> tup
     """The caches as the layout has them: as they are (``paged``), or as vLLM's views of one buffer (``vllm``)."""
     if layout == "paged":
         return k_cache, v_cache
-    from .adapters.vllm_kv_cache import kv_cache_views
+    from .adapters.vllm_kv_cache import kv_cache_views, paged_as_kv_cache
 
-    # vLLM 0.33's per-layer buffer: (num_blocks, Hkv, block_size, 2 d), key then value per (block, head, slot).
-    buffer = torch.cat([k_cache, v_cache], dim=-1).transpose(1, 2).contiguous()
-    return kv_cache_views(buffer, k_cache.shape[-1])
+    return kv_cache_views(paged_as_kv_cache(k_cache, v_cache), k_cache.shape[-1])  # vLLM's default order (NHD)
 
 
 def _kernel_that_ran(backend: object) -> str:

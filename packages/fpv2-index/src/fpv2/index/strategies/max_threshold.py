@@ -50,14 +50,14 @@ class MaxThresholdStrategy:
 
     def _workspace_for(self, device: torch.device):
         """The index workspace of ``device``'s current stream (created on first use)."""
-        from fpv2.kernel.triton.relaunch import _cuda_stream
+        from fpv2.kernel.triton.relaunch import raw_cuda_stream
 
         from ..triton import IndexWorkspace
 
         stream = 0
         if device.type == "cuda":
             # The raw current-stream handle, as the launches read it (no Stream object: ~0.2 against ~6.5 us).
-            stream = _cuda_stream(device.index if device.index is not None else torch.cuda.current_device())
+            stream = raw_cuda_stream(device.index if device.index is not None else torch.cuda.current_device())
         key = (device, stream)
         workspace = self._workspaces.get(key)
         if workspace is None:

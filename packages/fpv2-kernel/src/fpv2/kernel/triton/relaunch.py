@@ -88,7 +88,15 @@ def _cuda_device() -> int:
     return torch.cuda.current_device()
 
 
-def _cuda_stream(device: int) -> int:
+def raw_cuda_stream(device: int) -> int:
+    """The raw handle of ``device``'s current CUDA stream, as the launches read it (no Stream object built).
+
+    Args:
+        device: a CUDA device index.
+
+    Returns:
+        The ``cudaStream_t`` value.
+    """
     import torch
 
     return torch._C._cuda_getCurrentRawStream(device)
@@ -124,7 +132,7 @@ class Relauncher:
         fn: Any,
         *,
         device: Callable[[], int] = _cuda_device,
-        stream: Callable[[int], int] = _cuda_stream,
+        stream: Callable[[int], int] = raw_cuda_stream,
         backend: Callable[[Any, int], Any] = _cuda_backend,
     ) -> None:
         self.fn = fn

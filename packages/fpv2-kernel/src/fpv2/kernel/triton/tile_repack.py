@@ -164,7 +164,8 @@ def repack_to_tile_pages(
     Args:
         k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys on a CUDA device (or the CPU under
             the Triton interpreter); the element stride must be 1, page, token and head strides are
-            free (for example vLLM's K and V views of its one per-layer buffer, head stride ``2 d``).
+            free (for example vLLM's K and V views of its one per-layer buffer, head stride ``2 d`` or
+            ``block_size * 2 d``).
         v_cache: paged values, same shape and dtype.
         batch: the batch metadata (its host view gives the grid: one sync on first use, cached).
         tokens_per_program: tokens one program copies (a power of two dividing 128).
@@ -210,13 +211,12 @@ def repack_to_tile_pages(
         install_interpreter_index_fix()
     repacked = tile_batch(batch)
     table = repacked.page_table
-    total = sum(tile_pages_per_request(batch))
     shape = (repacked.num_pages, TILE_TOKENS, num_kv_heads, head_dim)
     k_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
     v_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
-    if total > 0:
+    if any(batch.host.seqlens_k):  # else no tile page has a token: the grid would be empty
         row = num_kv_heads * head_dim
-        grid = (total, TILE_TOKENS // tokens_per_program)
+        grid = (repacked.num_pages, TILE_TOKENS // tokens_per_program)
         _REPACK(
             grid,
             k_cache,

@@ -61,6 +61,49 @@ def kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
     return k_cache, v_cache
 
 
+#: vLLM's physical orders inside a block: token-major (its default) and head-major.
+KV_CACHE_LAYOUTS = ("NHD", "HND")
+
+
+def paged_as_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str = "NHD") -> torch.Tensor:
+    """Paged K and V copied into one vLLM-style layer cache (the inverse of :func:`kv_cache_views`).
+
+    For benchmarks and tests that run the pipeline on the caches vLLM hands over:
+    ``kv_cache_views(paged_as_kv_cache(k, v, layout), d)`` equals ``(k, v)`` in value, with
+    vLLM's strides: head stride ``2 d`` for ``NHD`` (token-major inside a block), token
+    stride ``2 d`` and head stride ``block_size * 2 d`` for ``HND`` (head-major).
+
+    Args:
+        k_cache: ``(num_blocks, block_size, num_kv_heads, head_size)`` paged keys.
+        v_cache: paged values, same shape and dtype.
+        layout: ``"NHD"`` or ``"HND"`` (:data:`KV_CACHE_LAYOUTS`).
+
+    Returns:
+        A new ``(num_blocks, num_kv_heads, block_size, 2 * head_size)`` logical view of a
+        contiguous buffer in that physical order.
+
+    Raises:
+        TypeError: a cache is not a tensor, or the dtypes differ.
+        ValueError: the shapes differ or are not 4-D, or an unknown layout.
+    """
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must share one (num_blocks, block_size, num_kv_heads, head_size) shape; got "
+            f"{_describe(k_cache)} and {_describe(v_cache)}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache must have k_cache's dtype; got {_describe(k_cache)} and {_describe(v_cache)}")
+    if layout not in KV_CACHE_LAYOUTS:
+        raise ValueError(f"layout must be one of {KV_CACHE_LAYOUTS}; got {layout!r}")
+    both = torch.cat([k_cache, v_cache], dim=-1)  # (blocks, block_size, Hkv, 2 d): token-major
+    if layout == "HND":
+        return both.transpose(1, 2).contiguous()
+    return both.transpose(1, 2)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
