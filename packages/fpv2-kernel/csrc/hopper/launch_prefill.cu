@@ -10,6 +10,7 @@
 #include <string>
 #include <limits>
 
+#include "abi/device_guard.hpp"
 #include "abi/errors.hpp"
 #include "hopper/prefill_instances.hpp"
 #include "hopper/prefill_plan.hpp"
@@ -21,6 +22,9 @@
 
 namespace fpv2::hopper {
 namespace {
+
+using fpv2::detail::DeviceGuard;
+using fpv2::detail::check_hopper_device;
 
 using fpv2::detail::describe;
 using fpv2::detail::dtype_name;
@@ -34,43 +38,6 @@ constexpr int64_t kChunkElems = 8;   // 16 bytes of bf16: cp.async and TMA granu
 long long ll(int64_t v) { return static_cast<long long>(v); }
 
 bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
-
-// Makes `device` current for the launch and restores the caller's device afterwards.
-class DeviceGuard {
- public:
-  DeviceGuard() = default;
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  ~DeviceGuard() {
-    if (restore_ >= 0) cudaSetDevice(restore_);
-  }
-
-  int32_t select(int32_t device) {
-    int current = 0;
-    cudaError_t err = cudaGetDevice(&current);
-    if (err != cudaSuccess) {
-      return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cudaGetDevice failed: %s",
-                                          cudaGetErrorString(err)));
-    }
-    if (device >= 0 && device != current) {
-      err = cudaSetDevice(device);
-      if (err != cudaSuccess) {
-        return fail(FPV2_ERROR_CUDA, format("fpv2_prefill_args_t.device=%d: cudaSetDevice failed: %s", device,
-                                            cudaGetErrorString(err)));
-      }
-      restore_ = current;
-      current = device;
-    }
-    device_ = current;
-    return FPV2_OK;
-  }
-
-  int device() const { return device_; }
-
- private:
-  int restore_ = -1;
-  int device_ = 0;
-};
 
 // The cache must be the stack of its pages: (num_pages, page_size, Hkv, d) with page stride =
 // page_size * token stride and head stride = d, so that it reads as one (num_pages * page_size, Hkv * d)
@@ -221,22 +188,6 @@ int32_t persistent_from_environment(int32_t* persistent) {
   return FPV2_OK;
 }
 
-int32_t check_device(int device) {
-  int major = 0, minor = 0;
-  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (err != cudaSuccess) {
-    return fail(FPV2_ERROR_CUDA, format("fpv2 Hopper prefill: cannot query device %d: %s", device,
-                                        cudaGetErrorString(err)));
-  }
-  if (major != 9 || minor != 0) {
-    return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2 Hopper prefill: device %d has compute capability %d.%d; the kernel is built for "
-                       "sm_90a (H100/H200) only; use the portable (Triton) backend elsewhere",
-                       device, major, minor));
-  }
-  return FPV2_OK;
-}
 
 }  // namespace
 
@@ -488,8 +439,8 @@ int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, Prefil
   int32_t head_major = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_HEAD_MAJOR", 1, &head_major));
 
-  FPV2_RETURN_IF_ERROR(guard.select(args.device));
-  FPV2_RETURN_IF_ERROR(check_device(guard.device()));
+  FPV2_RETURN_IF_ERROR(guard.select(args.device, "fpv2 Hopper prefill"));
+  FPV2_RETURN_IF_ERROR(check_hopper_device(guard.device(), "fpv2 Hopper prefill"));
 
   plan = PrefillPlan{};
   plan.num_splits = 1;

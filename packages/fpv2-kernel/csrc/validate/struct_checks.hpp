@@ -50,4 +50,7 @@ int32_t validate_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch
 // All prefill arguments: the structs, the tensors and their consistency.
 int32_t validate_prefill_args(const fpv2_prefill_args_t* args);
 
+// One block-scoring call's arguments (fpv2_score_blocks).
+int32_t validate_score_args(const fpv2_score_args_t* args);
+
 }  // namespace fpv2::detail

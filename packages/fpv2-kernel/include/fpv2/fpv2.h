@@ -27,7 +27,7 @@
 #include <stdint.h>
 
 #define FPV2_ABI_VERSION_MAJOR 1
-#define FPV2_ABI_VERSION_MINOR 3
+#define FPV2_ABI_VERSION_MINOR 4
 
 #if defined(_WIN32)
 #define FPV2_API
@@ -197,6 +197,49 @@ typedef struct fpv2_prefill_args_t {
 } fpv2_prefill_args_t;
 
 /* ------------------------------------------------------------------------------------------------
+ * Block scoring and selection of the index stage (ABI 1.4; mirrors fpv2.index's fused Triton pass).
+ *
+ * For every segment s (request b, KV head h, query tile t; the block index's order) the call scores the
+ * tile's packed query rows against the request's pooled keys J = 0 .. num_scored - 1 (the blocks that
+ * end at or before the tile's last position), num_scored = (last + 1) / block_size, in log2 units:
+ * L_J = log2(sum over the rows r that see J of 2^(q_r . keys[block_offsets[b] + J, h])), row r seeing J
+ * when J * block_size <= its position. It keeps J when 2^(L_J - max_J L_J) >= alpha, or when J is forced
+ * (J < sink_blocks; J in the window of window_tokens before the tile's first position; J at or after the
+ * tile's first diagonal block), or when the tile is dense (one of the request's last dense_tail_tiles
+ * tiles, or seqlens_k[b] < min_sparse_kv_len), and only J < the tile's visible blocks. It writes:
+ *   keep_bits[s][w]: bit i of word w marks block 32 w + i, words 0 .. 2 * ceil(visible / 64) - 1;
+ *   counts[s]: kept blocks of the segment;
+ *   offsets: [0, cumsum(counts)] (S + 1 values); tile_offsets: [0, cumsum(tiles of each request)].
+ * No host synchronisation: the call enqueues two kernels on `stream`. Keys come prescaled by
+ * softmax_scale * log2(e) and cast to q's dtype (fpv2.index's prepared keys). Hopper (sm_90a) only;
+ * tile_size must be FPV2_KERNEL_TILE_SIZE and every row of a tile is scored (no probe stride). */
+typedef struct fpv2_score_args_t {
+  uint32_t struct_size;         /* sizeof(fpv2_score_args_t) */
+  int32_t num_requests;         /* B >= 1 */
+  fpv2_tensor_t q;              /* (total_q, Hq, d) F16 | BF16, inner stride 1; d in {64, 128} */
+  fpv2_tensor_t keys;           /* (total_blocks, Hkv, d) q's dtype, contiguous */
+  fpv2_tensor_t cu_seqlens_q;   /* (B+1,) I32, contiguous */
+  fpv2_tensor_t seqlens_k;      /* (B,) I32, contiguous */
+  fpv2_tensor_t block_offsets;  /* (B+1,) I32, contiguous: first pooled row of each request */
+  fpv2_tensor_t tile_offsets;   /* output, (B+1,) I32, contiguous */
+  fpv2_tensor_t offsets;        /* output, (S+1,) I32, contiguous */
+  fpv2_tensor_t counts;         /* output, (S,) I32, contiguous */
+  fpv2_tensor_t keep_bits;      /* output, (S, words) I32, inner stride 1, words >= 2 * ceil(max_blocks / 64) */
+  int32_t group;                /* Hq / Hkv */
+  int32_t tile_size;            /* must be FPV2_KERNEL_TILE_SIZE */
+  int32_t block_size;           /* KV tokens per key block, a power of two */
+  int32_t max_blocks;           /* max_b ceil(seqlens_k[b] / block_size) (host-known) */
+  int64_t num_tiles;            /* sum_b ceil(q_len_b * group / tile_size); S = Hkv * num_tiles */
+  float alpha;                  /* threshold ratio, finite and >= 0 */
+  int32_t sink_blocks;          /* leading blocks always kept */
+  int32_t window_tokens;        /* tokens before the tile's first position always kept */
+  int32_t dense_tail_tiles;     /* last tiles of each request kept dense */
+  int32_t min_sparse_kv_len;    /* requests with fewer keys are kept dense */
+  int32_t device;               /* CUDA device ordinal of the tensors, or -1 for the current device */
+  void* stream;                 /* cudaStream_t; NULL is the default stream */
+} fpv2_score_args_t;
+
+/* ------------------------------------------------------------------------------------------------
  * Functions. */
 
 /* The ABI version this library implements. Either pointer may be NULL. */
@@ -241,6 +284,14 @@ FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args);
  * args->workspace is not read. Validates args like fpv2_prefill (the same refusals); 0 bytes and
  * FPV2_OK when the kernel is not part of this build. */
 FPV2_API int32_t fpv2_prefill_workspace_size(const fpv2_prefill_args_t* args, uint64_t* bytes);
+
+/* ABI 1.4: the index stage's block scoring and selection (fpv2_score_args_t). Validates args first;
+ * FPV2_ERROR_UNSUPPORTED for a configuration the kernel does not serve (head dim, dtype, more than 16384
+ * key blocks), FPV2_ERROR_NOT_BUILT when the Hopper code is not part of this build. */
+FPV2_API int32_t fpv2_score_blocks(const fpv2_score_args_t* args);
+
+/* ABI 1.4: the metadata checks of fpv2_score_blocks alone (no device memory is read, nothing launched). */
+FPV2_API int32_t fpv2_validate_score_blocks(const fpv2_score_args_t* args);
 
 #ifdef __cplusplus
 } /* extern "C" */

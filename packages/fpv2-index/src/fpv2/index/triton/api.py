@@ -47,6 +47,7 @@ from fpv2.kernel.triton.relaunch import interpreter_enabled
 from ..config import SelectionConfig
 from . import tuning
 from .compaction import launch_compact
+from .hopper_scoring import use_hopper_scoring
 from .outputs import fresh_outputs
 from .pooling import launch_pool
 from .prepared_keys import (
@@ -60,7 +61,7 @@ from .prepared_keys import (
     version_of,
 )
 from .scoring import launch_prepare_keys, launch_score_select, num_units, score_rows
-from .workspace import IndexWorkspace
+from .workspace import IndexWorkspace, WorkspaceViews
 
 __all__ = ["capacity_bound", "interpreter_enabled", "pool_blocks_triton", "select_blocks_triton"]
 
@@ -414,6 +415,55 @@ def select_blocks_triton(
         device=device,
         tiles_per_program=knobs.tiles_per_program,
     )
+    if use_hopper_scoring(q, config, statistics.head_dim, max_blocks, q_descale is not None):
+        from fpv2.kernel._native.score import ScoreRule, score_blocks
+
+        rule = ScoreRule(
+            alpha=float(config.alpha),
+            block_size=block_size,
+            sink_blocks=-(-config.sink_tokens // block_size),
+            window_tokens=config.window_tokens,
+            dense_tail_tiles=config.dense_tail_tiles,
+            min_sparse_kv_len=config.min_sparse_kv_len,
+        )
+        score_blocks(
+            q, keys, cu_seqlens_q=batch.cu_seqlens_q, seqlens_k=batch.seqlens_k,
+            block_offsets=statistics.block_offsets, tile_offsets=tile_offsets, offsets=offsets,
+            counts=views.counts, keep_bits=views.keep_bits, num_tiles=sum(tiles), max_blocks=max_blocks,
+            rule=rule, tile_size=tile_size,
+        )  # fmt: skip
+    else:
+        _launch_triton_scoring(
+            q, keys, q_descale, batch, statistics, tile_offsets, offsets, views, workspace, total_units,
+            num_programs, group, config, kind, interpret, knobs,
+        )  # fmt: skip
+    if exact_nnz:
+        blocks = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)  # the one documented sync
+    else:
+        blocks = outs[2]
+    launch_compact(views.keep_bits, offsets, blocks)
+    return BlockIndex(offsets, blocks, tile_offsets, heads, group, tile_size, block_size, check_values=False)
+
+
+def _launch_triton_scoring(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    q_descale: torch.Tensor | None,
+    batch: PagedPrefillBatch,
+    statistics: BlockStatistics,
+    tile_offsets: torch.Tensor,
+    offsets: torch.Tensor,
+    views: WorkspaceViews,
+    workspace: IndexWorkspace,
+    total_units: int,
+    num_programs: int,
+    group: int,
+    config: SelectionConfig,
+    kind: int,
+    interpret: bool,
+    knobs: tuning.ScoreTuning,
+) -> None:
+    """The fused Triton scoring/selection pass of one call (:mod:`.scoring`)."""
     try:
         launch_score_select(
             q,
@@ -429,8 +479,8 @@ def select_blocks_triton(
             num_programs=num_programs,
             group=group,
             alpha=config.alpha,
-            tile_size=tile_size,
-            block_size=block_size,
+            tile_size=config.tile_size,
+            block_size=config.block_size,
             probe_stride=config.probe_stride,
             sink_tokens=config.sink_tokens,
             window_tokens=config.window_tokens,
@@ -443,9 +493,3 @@ def select_blocks_triton(
     except BaseException:
         workspace.reset_counter()  # a kernel that stopped part way may have left the counter counting
         raise
-    if exact_nnz:
-        blocks = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)  # the one documented sync
-    else:
-        blocks = outs[2]
-    launch_compact(views.keep_bits, offsets, blocks)
-    return BlockIndex(offsets, blocks, tile_offsets, heads, group, tile_size, block_size, check_values=False)

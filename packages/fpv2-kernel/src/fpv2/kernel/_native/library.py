@@ -17,14 +17,14 @@ import os
 from pathlib import Path
 
 from .errors import NativeLibraryError
-from .structs import BlockIndexStruct, CorrectionPlanStruct, PagedBatchStruct, PrefillArgsStruct
+from .structs import BlockIndexStruct, CorrectionPlanStruct, PagedBatchStruct, PrefillArgsStruct, ScoreArgsStruct
 
 #: ABI major version this binding speaks; the library's must be equal.
 ABI_VERSION_MAJOR = 1
 #: ABI minor version this binding needs at least (minor versions only append). 1.2 added the correction
 #: plan's E4M3 copies: a 1.1 library would ignore them (and refuse the float32 pooled statistics sent
 #: with them) with a misleading message, so it is refused on load instead.
-ABI_VERSION_MINOR = 3
+ABI_VERSION_MINOR = 4
 #: Environment variable naming the library file to load instead of the packaged one.
 LIBRARY_ENV = "FPV2_KERNEL_LIBRARY"
 #: File name of the library.
@@ -117,6 +117,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fpv2_hopper_kernel_available": ([], i32),
         "fpv2_prefill": ([ctypes.POINTER(PrefillArgsStruct)], i32),
         "fpv2_prefill_workspace_size": ([ctypes.POINTER(PrefillArgsStruct), ctypes.POINTER(ctypes.c_uint64)], i32),
+        "fpv2_score_blocks": ([ctypes.POINTER(ScoreArgsStruct)], i32),
+        "fpv2_validate_score_blocks": ([ctypes.POINTER(ScoreArgsStruct)], i32),
     }
     for name, (argtypes, restype) in signatures.items():
         try:

@@ -136,12 +136,44 @@ class PrefillArgsStruct(ctypes.Structure):
     ]
 
 
+class ScoreArgsStruct(ctypes.Structure):
+    """``fpv2_score_args_t`` (ABI 1.4): one call of the index stage's block scoring (:mod:`.score`)."""
+
+    c_name: ClassVar[str] = "fpv2_score_args_t"
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("num_requests", ctypes.c_int32),
+        ("q", TensorDesc),
+        ("keys", TensorDesc),
+        ("cu_seqlens_q", TensorDesc),
+        ("seqlens_k", TensorDesc),
+        ("block_offsets", TensorDesc),
+        ("tile_offsets", TensorDesc),
+        ("offsets", TensorDesc),
+        ("counts", TensorDesc),
+        ("keep_bits", TensorDesc),
+        ("group", ctypes.c_int32),
+        ("tile_size", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("max_blocks", ctypes.c_int32),
+        ("num_tiles", ctypes.c_int64),
+        ("alpha", ctypes.c_float),
+        ("sink_blocks", ctypes.c_int32),
+        ("window_tokens", ctypes.c_int32),
+        ("dense_tail_tiles", ctypes.c_int32),
+        ("min_sparse_kv_len", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
 #: Every size-prefixed struct of the ABI.
 SIZED_STRUCTS: tuple[type[ctypes.Structure], ...] = (
     PagedBatchStruct,
     BlockIndexStruct,
     CorrectionPlanStruct,
     PrefillArgsStruct,
+    ScoreArgsStruct,
 )
 
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Device run: the index's scoring on Hopper's tensor cores (fpv2_score_blocks, ABI 1.4) against the fused Triton
+# pass, from the repository root, with the library built on the development machine.
+#
+#   benchmarks/hopper_scoring_device_run.sh [all]  the GPU tests of the new kernel (tests/test_hopper_scoring.py:
+#                                      the grid against the reference and the Triton pass, stale workspace bits, no
+#                                      host sync), the Triton index GPU tests (which now take the Hopper kernel where
+#                                      it serves, FPV2_INDEX_SCORING=auto) and the kernel package's native ABI tests;
+#                                      then benchmarks/hopper_scoring_speed.py at 32K, 128K and 4 x 128K
+#   benchmarks/hopper_scoring_device_run.sh bench  fpv2 bench of the corrected planted pipeline at page 1 (Hopper
+#                                      backend), 128K, 32K and 4 x 128K, with the Hopper scoring (auto) and the
+#                                      Triton pass (FPV2_INDEX_SCORING=triton)
+#
+# Prediction (written before the run): the Triton pass runs at about half its tensor / MUFU bound (1.59 ms at 128K
+# against 0.55-0.83). One warpgroup per (tile, KV head), the product of step n+1 issued before step n's
+# exponentials, two CTAs per SM: scoring 1.59 -> 0.9-1.1 ms at 128K (-0.5 to -0.7 ms), 32K 0.20 -> 0.12-0.15 ms,
+# 4 x 128K 6.4 -> 3.6-4.4 ms; the same index up to blocks within rounding of alpha.
+#
+# Environment: SCORE_BIN folder with libfpv2_kernel.so [.carry/head]; OUT.
+set -u -o pipefail
+# shellcheck source=benchmarks/device_run_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
+device_run_start hopper-scoring "${1:-all}" "${SCORE_BIN:-.carry/head}"
+RESULTS="$OUT"
+
+gpu_tests() {
+  local name="$1" limit="$2"
+  shift 2
+  with_packages timeout "$limit" python3 -m pytest -p no:cacheprovider -q "$@" > "$LOGS/pytest-$name.log" 2>&1
+  echo "GPU tests ($name): rc=$? $(tail -1 "$LOGS/pytest-$name.log")"
+  grep -E "^FAILED|^E " "$LOGS/pytest-$name.log" | head -20 | cut -c1-300
+}
+
+if [ "$PART" = all ]; then
+  nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py -s
+  gpu_tests index 300 packages/fpv2-index/tests/test_triton_index.py packages/fpv2-index/tests/test_index_api.py \
+    -m gpu
+  gpu_tests native 120 packages/fpv2-kernel/tests/test_native_abi.py
+  with_packages timeout 240 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
+    --out "$RESULTS/hopper-scoring-speed.json" > "$LOGS/speed.log" 2>&1
+  echo "speed: rc=$?"
+  tail -4 "$LOGS/speed.log" | cut -c1-600
+fi
+
+if [ "$PART" = bench ]; then
+  for mode in auto triton; do
+    for L in 131072 32768; do
+      FPV2_INDEX_SCORING=$mode bench_row 1 "$L" "bench-$mode-$L" 120 --page-size 1 --backend hopper
+    done
+    FPV2_INDEX_SCORING=$mode bench_row 4 131072 "bench-$mode-4x131072" 150 --page-size 1 --backend hopper
+  done
+fi

@@ -1,0 +1,275 @@
+// The index stage's scoring and selection on Hopper: one CTA (one warpgroup) per (query tile, KV head).
+//
+// Pass 1 walks the tile's candidate pooled keys 64 at a time. Step n's product S = K_n Q^T (64 keys x 128
+// rows, fp32) is one wgmma issued before step n-1's accumulator is reduced, so the tensor cores run under
+// the exponentials (two accumulators alternate); the keys are copied by cp.async two steps ahead into a
+// 4-buffer ring. A key's log2 energy L_J = m_J + log2(sum_r 2^(s_rJ - m_J)), m_J its maximum over the rows
+// that see it, goes to shared memory; the running maximum over the tile's keys is kept in registers.
+// Only the last steps of a tile (keys some row does not see, or past the candidates) mask per logit.
+//
+// Pass 2 thresholds the energies (2^(L_J - max L) >= alpha), adds the forced blocks and writes one keep
+// word per 32 blocks with a warp ballot, and the segment's count. No energies leave the SM.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "hopper/fragment_layouts.hpp"
+#include "hopper/online_softmax.hpp"
+#include "hopper/warpgroup_gemm.hpp"
+#include "index/score_params.hpp"
+#include "index/score_tile.hpp"
+#include "index/score_traits.hpp"
+
+namespace fpv2::index {
+
+// log2(x) by lg2.approx (relative error ~2^-22); log2(0) = -inf.
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 16-byte cp.async of rows into a swizzled buffer, zero-filled when `valid` is false.
+template <class Element>
+__device__ __forceinline__ void copy_chunk(Element const* src, Element* dst, bool valid) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<cute::uint128_t const*>(src),
+                                                              *reinterpret_cast<cute::uint128_t*>(dst), valid);
+}
+
+// m[0] = max(m[0 .. 2 kWidth - 1]) by halving steps of independent pairs (compile-time indices: the
+// values stay in registers).
+template <int kWidth>
+__device__ __forceinline__ void fold_max(float* m) {
+  if constexpr (kWidth >= 1) {
+    CUTE_UNROLL
+    for (int j = 0; j < kWidth; ++j) m[j] = fmaxf(m[j], m[j + kWidth]);
+    fold_max<kWidth / 2>(m);
+  }
+}
+
+template <class Traits>
+struct ScoreSelect {
+  using Element = typename Traits::Element;
+  static constexpr int kChunks = Traits::kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
+  static constexpr int kRowsPerPass = Traits::kThreads / kChunks;
+
+  // The tile's packed rows: row r is position r / g of query head h g + r % g (PackGQA).
+  template <class SmemQ>
+  __device__ static void issue_query(SmemQ& sQ, ScoreParams<Element> const& p, ScoreTile const& t,
+                                     ScoreGeometry const& g, int head) {
+    const int chunk = threadIdx.x % kChunks;
+    CUTE_UNROLL
+    for (int pass = 0; pass < Traits::kTileRows / kRowsPerPass; ++pass) {
+      const int row = pass * kRowsPerPass + threadIdx.x / kChunks;
+      const bool inside = row < g.num_rows;
+      Element const* src = p.q;
+      if (inside) {
+        const int packed = g.row_begin + row;
+        src = p.q + int64_t(t.q_start + packed / p.group) * p.q_token_stride +
+              int64_t(head * p.group + packed % p.group) * p.q_head_stride + chunk * 8;
+      }
+      copy_chunk(src, &sQ(row, chunk * (16 / int(sizeof(Element)))), inside);
+    }
+  }
+
+  // Keys step*64 .. step*64 + 63 of the tile into buffer `stage` (zeros past the candidates).
+  template <class SmemKeys>
+  __device__ static void issue_keys(SmemKeys& sK, Element const* head_keys, int64_t block_stride, int step,
+                                    int num_candidates, int stage) {
+    const int chunk = threadIdx.x % kChunks;
+    CUTE_UNROLL
+    for (int pass = 0; pass < Traits::kStepKeys / kRowsPerPass; ++pass) {
+      const int key = pass * kRowsPerPass + threadIdx.x / kChunks;
+      const int block = step * Traits::kStepKeys + key;
+      const bool valid = block < num_candidates;
+      Element const* src = valid ? head_keys + int64_t(block) * block_stride + chunk * (16 / int(sizeof(Element)))
+                                 : head_keys;
+      copy_chunk(src, &sK(key, chunk * (16 / int(sizeof(Element))), stage), valid);
+    }
+  }
+
+  // One step's energies from its accumulator (keys x rows view): stored for the tile's candidates, folded
+  // into the running maximum. kMasked: the logits of rows that do not see a key, and keys past the
+  // candidates, are left out.
+  template <bool kMasked, class AccRowsCols, class CoordRowsCols>
+  __device__ __forceinline__ static void reduce(AccRowsCols& s, CoordRowsCols const& coord, int first_key,
+                                                ScoreGeometry const& g, ScoreParams<Element> const& p,
+                                                float* energies, float& running_max) {
+    using namespace cute;
+    constexpr int kKeysHeld = decltype(size<0>(s))::value;
+    constexpr int kCols = decltype(size<1>(s))::value;
+    CUTE_UNROLL
+    for (int i = 0; i < kKeysHeld; ++i) {
+      const int block = first_key + int(get<0>(coord(i, 0)));
+      bool key_ok = true;
+      int min_row = 0;  // rows at or after it see the block (packed rows, within the tile)
+      if constexpr (kMasked) {
+        key_ok = block < g.num_candidates;
+        // Row r sees block J when J * Bk <= prefix + (row_begin + r) / g, i.e. (J * Bk - prefix) * g <= row.
+        const int64_t ahead = int64_t(block) * p.block_size - g.prefix;
+        const int64_t first_row = ahead > 0 ? ahead * p.group - g.row_begin : 0;
+        min_row = first_row > Traits::kTileRows ? Traits::kTileRows : int(first_row);
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const int row = int(get<1>(coord(i, j)));
+          if (!key_ok || row < min_row || row >= g.num_rows) s(i, j) = -INFINITY;
+        }
+      }
+      // Maximum over the thread's 32 rows as a tree of independent pairs, then over the quad.
+      float m[kCols / 2];
+      CUTE_UNROLL
+      for (int j = 0; j < kCols / 2; ++j) m[j] = fmaxf(s(i, j), s(i, j + kCols / 2));
+      fold_max<kCols / 4>(m);
+      const float key_max = hopper::quad_max(m[0]);
+      const float offset = key_max == -INFINITY ? 0.0f : key_max;
+      float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) sums[j % 4] += hopper::fast_exp2(s(i, j) - offset);
+      const float total = hopper::quad_sum((sums[0] + sums[1]) + (sums[2] + sums[3]));
+      const float energy = offset + fast_log2(total);  // -inf when no row sees the key
+      if (key_ok) {
+        if (threadIdx.x % 4 == 0) energies[block] = energy;
+        running_max = fmaxf(running_max, energy);
+      }
+    }
+  }
+
+  __device__ static void run(ScoreParams<Element> const& p, char* smem_base) {
+    using namespace cute;
+    auto& smem = *reinterpret_cast<ScoreSharedStorage<Traits>*>(smem_base);
+    float* energies = reinterpret_cast<float*>(smem_base + sizeof(ScoreSharedStorage<Traits>));
+
+    // The last tiles of the batch (the most keys) first: CTAs are dispatched roughly in index order.
+    const int64_t unit = p.num_tiles - 1 - int64_t(blockIdx.x) / p.num_kv_heads;
+    const int head = int(blockIdx.x % p.num_kv_heads);
+    const ScoreTile t = find_tile(p, unit, Traits::kTileRows, smem.tile);
+    const ScoreGeometry g = tile_geometry(p, t, Traits::kTileRows, Traits::kStepKeys);
+    const int64_t segment = int64_t(p.num_kv_heads) * t.tile_begin + int64_t(head) * t.tiles + t.tile;
+
+    float running_max = -INFINITY;
+    const int steps = (g.num_candidates + Traits::kStepKeys - 1) / Traits::kStepKeys;
+    if (steps > 0) {  // uniform over the CTA
+      typename Traits::TiledMma mma;
+      auto thr = mma.get_thread_slice(threadIdx.x);
+      auto wg = mma.get_thread_slice(0);  // descriptors depend on the warpgroup only
+      Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});
+      Tensor sK = make_tensor(make_smem_ptr(smem.keys), typename Traits::SmemLayoutKeys{});
+      Tensor tSrK = wg.partition_fragment_A(sK);  // (MMA, MMA_M, MMA_K, stages)
+      Tensor tSrQ = wg.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K)
+      using TileS = Shape<Int<Traits::kStepKeys>, Int<Traits::kTileRows>>;
+      Tensor acc0 = partition_fragment_C(mma, TileS{});
+      Tensor acc1 = partition_fragment_C(mma, TileS{});
+      Tensor acc0_rc = make_tensor(acc0.data(), hopper::accumulator_rows_cols(acc0.layout()));
+      Tensor acc1_rc = make_tensor(acc1.data(), hopper::accumulator_rows_cols(acc1.layout()));
+      Tensor cS = thr.partition_C(make_identity_tensor(TileS{}));
+      Tensor cS_rc = make_tensor(cS.data(), hopper::accumulator_rows_cols(cS.layout()));
+
+      Element const* head_keys = p.keys + int64_t(t.block_base) * p.key_block_stride +
+                                 int64_t(head) * Traits::kHeadDim;
+      // Prologue: Q and keys 0 as one group, keys 1 .. kStages-2 one group each.
+      issue_query(sQ, p, t, g, head);
+      CUTE_UNROLL
+      for (int s = 0; s < Traits::kStages - 1; ++s) {
+        if (s < steps) issue_keys(sK, head_keys, p.key_block_stride, s, g.num_candidates, s);
+        cute::cp_async_fence();
+      }
+      cute::cp_async_wait<Traits::kStages - 2>();
+      cutlass::arch::fence_view_async_shared();  // written by cp.async (generic proxy), read by wgmma
+      __syncthreads();
+      auto keys_first = tSrK(_, _, _, 0);
+      hopper::warpgroup_gemm_issue<true>(mma, keys_first, tSrQ, acc0);
+
+      // Step n < steps - 1: keys n+1 ready (own copies, then the barrier for everyone's, which also means
+      // every warp has waited for product n-1, so its buffer may be refilled); issue product n+1 and the keys
+      // of step n + kStages - 1; wait for product n; reduce it. The last step only waits and reduces. Every
+      // wgmma and wait sits on a path without conditions of its own (ptxas serialises wgmma otherwise).
+      auto reduce_step = [&](int n, auto& acc_rc) CUTLASS_LAMBDA_FUNC_INLINE {
+        warpgroup_fence_operand(acc_rc);
+        const int first_key = n * Traits::kStepKeys;
+        if (first_key + Traits::kStepKeys <= g.num_full) {
+          reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+        } else {
+          reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+        }
+      };
+      auto middle_step = [&](int n, auto& acc_rc, auto& acc_next) CUTLASS_LAMBDA_FUNC_INLINE {
+        cute::cp_async_wait<Traits::kStages - 3>();
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();
+        auto keys_next = tSrK(_, _, _, (n + 1) % Traits::kStages);
+        hopper::warpgroup_gemm_issue<true>(mma, keys_next, tSrQ, acc_next);
+        const int refill = n + Traits::kStages - 1;
+        if (refill < steps) {
+          issue_keys(sK, head_keys, p.key_block_stride, refill, g.num_candidates, refill % Traits::kStages);
+        }
+        cute::cp_async_fence();
+        warpgroup_wait<1>();
+        reduce_step(n, acc_rc);
+      };
+      int n = 0;
+      while (true) {
+        if (n + 1 >= steps) {
+          warpgroup_wait<0>();
+          reduce_step(n, acc0_rc);
+          break;
+        }
+        middle_step(n, acc0_rc, acc1);
+        ++n;
+        if (n + 1 >= steps) {
+          warpgroup_wait<0>();
+          reduce_step(n, acc1_rc);
+          break;
+        }
+        middle_step(n, acc1_rc, acc0);
+        ++n;
+      }
+    }
+
+    // ---- pass 2: the tile's peak energy, then one ballot per 32 blocks.
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    float peak = running_max;
+    for (int offset = 16; offset >= 1; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, offset));
+    if (lane == 0) smem.warp_max[warp] = peak;
+    __syncthreads();  // also publishes the energies
+    peak = fmaxf(fmaxf(smem.warp_max[0], smem.warp_max[1]), fmaxf(smem.warp_max[2], smem.warp_max[3]));
+    // E_J >= alpha max E, never when nothing was scored.
+    const float threshold = peak == -INFINITY ? INFINITY : p.alpha;
+    const float peak_offset = peak == -INFINITY ? 0.0f : peak;
+    const int num_words = (g.num_visible + 63) / 64 * 2;
+    uint32_t* bits_row = p.keep_bits + segment * p.bits_stride;
+    int count = 0;
+    for (int word = warp; word < num_words; word += Traits::kThreads / 32) {
+      const int block = word * 32 + lane;
+      const bool scored = block < g.num_candidates;
+      const float energy = scored ? energies[block] : -INFINITY;
+      bool keep = scored && hopper::fast_exp2(energy - peak_offset) >= threshold;
+      const bool forced = block < p.sink_blocks || (block >= g.window_lo && block <= g.window_hi) ||
+                          block >= g.first_diagonal;
+      keep = (keep || forced || g.dense) && block < g.num_visible;
+      const uint32_t bits = __ballot_sync(0xffffffffu, keep);
+      if (lane == 0) bits_row[word] = bits;
+      count += __popc(bits);
+    }
+    if (lane == 0) smem.warp_count[warp] = count;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      p.counts[segment] = smem.warp_count[0] + smem.warp_count[1] + smem.warp_count[2] + smem.warp_count[3];
+    }
+  }
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 2) score_select_kernel(ScoreParams<typename Traits::Element> p) {
+  extern __shared__ char smem_raw[];
+  // The swizzled buffers need 1024-byte aligned addresses (the hardware swizzles on address bits).
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  ScoreSelect<Traits>::run(p, base);
+}
+
+}  // namespace fpv2::index
