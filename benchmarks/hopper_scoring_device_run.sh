@@ -43,6 +43,31 @@ if [ "$PART" = all ]; then
   tail -4 "$LOGS/speed.log" | cut -c1-600
 fi
 
+if [ "$PART" = ab ]; then
+  # The overlapped kernel (two accumulators, two CTAs per SM) against the occupancy variant (one accumulator,
+  # three CTAs per SM), then ncu of each at 128K (pipes, stall reasons, occupancy).
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  FPV2_SCORE_KERNEL=occupancy gpu_tests scoring-occupancy 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  for variant in overlap occupancy; do
+    FPV2_SCORE_KERNEL=$variant with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py \
+      --shapes 1x32768 1x131072 4x131072 --out "$RESULTS/hopper-scoring-speed-$variant.json" > "$LOGS/speed-$variant.log" 2>&1
+    echo "speed $variant: rc=$?"
+    grep '^{' "$LOGS/speed-$variant.log" | python3 -c "import json,sys
+for l in sys.stdin:
+    r=json.loads(l); k=r['kernels_us']
+    print(r['B'], r['L'], r['score_kernel'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+  done
+  for variant in overlap occupancy; do
+    FPV2_SCORE_KERNEL=$variant FPV2_INDEX_SCORING=hopper with_packages timeout 200 ncu --kernel-name regex:score_select \
+      --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy \
+      --section ComputeWorkloadAnalysis --section SchedulerStats python3 benchmarks/hopper_scoring_speed.py \
+      --shapes 1x131072 --repeats 2 --no-kernel-times --out "$LOGS/ncu-run-$variant.json" > "$RESULTS/ncu-$variant.txt" 2>&1
+    echo "ncu $variant: rc=$?"
+    grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Occupancy|Active Warps|Issued|Eligible|Registers|Block Limit" \
+      "$RESULTS/ncu-$variant.txt" | head -40 | cut -c1-150
+  done
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

@@ -5,7 +5,8 @@ d = 128, page 1) is pooled once (with the scoring copy of the keys, as the pipel
 ``select_blocks_triton`` (prepared keys, scoring and selection, compaction; no host sync) is timed with
 ``FPV2_INDEX_SCORING=triton`` and ``=hopper`` alternating (A, B, B, A), median of ``--repeats`` CUDA-event
 samples each; the two indexes are compared pair by pair (kept (segment, block) pairs that differ: blocks within
-rounding of ``alpha``). A torch.profiler pass gives each scoring kernel's own GPU time.
+rounding of ``alpha``). A torch.profiler pass gives each scoring kernel's own GPU time. ``FPV2_SCORE_KERNEL=occupancy``
+(read once per process) times the Hopper kernel's one-accumulator variant (three CTAs per SM).
 
 Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native library):
 ``python benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 --out hopper-scoring.json``
@@ -45,7 +46,7 @@ def _kernel_times(call, device: torch.device) -> dict[str, float]:
     return times
 
 
-def row(batch: int, length: int, repeats: int, alpha: float, device: torch.device) -> dict:
+def row(batch: int, length: int, repeats: int, alpha: float, device: torch.device, profile: bool = True) -> dict:
     w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=1, device=device)
     config = SelectionConfig(alpha=alpha)
     stats = pool_blocks_triton(w.k_cache, None, w.batch, query_dtype=w.q.dtype)
@@ -59,13 +60,14 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
         samples, _ = timed_samples(call, 3, repeats, device)
         runs[mode].append(median(samples))
         indexes[mode] = select_blocks_triton(w.q, w.batch, stats, config=config, exact_nnz=True)
-        if mode not in kernels:
+        if profile and mode not in kernels:
             kernels[mode] = _kernel_times(call, device)
     os.environ.pop(SCORING_ENV, None)
     nb = -(-length // config.block_size)
     a, b = (indexes[m].to_dense_mask(nb) for m in MODES)
     return {
         "B": batch,
+        "score_kernel": os.environ.get("FPV2_SCORE_KERNEL") or "overlap",
         "L": length,
         "alpha": alpha,
         "select_ms": runs,
@@ -89,13 +91,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["1x32768", "1x131072", "4x131072"], help="BxL entries")
     parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--no-kernel-times", action="store_true", help="skip the torch.profiler pass (under ncu)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
     for shape in args.shapes:
         batch, length = (int(x) for x in shape.lower().split("x"))
-        result = row(batch, length, args.repeats, args.alpha, device)
+        result = row(batch, length, args.repeats, args.alpha, device, profile=not args.no_kernel_times)
         result.update(gpu=torch.cuda.get_device_name(device), commit=_commit())
         rows.append(result)
         print(json.dumps(result), flush=True)

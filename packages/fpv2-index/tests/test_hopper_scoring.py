@@ -176,7 +176,7 @@ def test_reused_workspace_keeps_no_stale_bits(monkeypatch) -> None:
     w = _inputs([3000, 1200], [9000, 5000], 32, 8, 128, torch.bfloat16, 16, seed=3)
     stats = pool_blocks(w.k_cache, None, w.batch)
     workspace = IndexWorkspace()
-    everything = SelectionConfig(alpha=0.0, min_sparse_kv_len=0)
+    everything = SelectionConfig(alpha=1e-30, min_sparse_kv_len=0)
     sparse = SelectionConfig(alpha=0.2, min_sparse_kv_len=0)
     select_blocks_triton(w.q, w.batch, stats, config=everything, workspace=workspace)  # every bit set
     again = select_blocks_triton(w.q, w.batch, stats, config=sparse, workspace=workspace, exact_nnz=True)

@@ -163,31 +163,12 @@ struct ScoreSelect {
       Tensor tSrQ = wg.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K)
       using TileS = Shape<Int<Traits::kStepKeys>, Int<Traits::kTileRows>>;
       Tensor acc0 = partition_fragment_C(mma, TileS{});
-      Tensor acc1 = partition_fragment_C(mma, TileS{});
       Tensor acc0_rc = make_tensor(acc0.data(), hopper::accumulator_rows_cols(acc0.layout()));
-      Tensor acc1_rc = make_tensor(acc1.data(), hopper::accumulator_rows_cols(acc1.layout()));
       Tensor cS = thr.partition_C(make_identity_tensor(TileS{}));
       Tensor cS_rc = make_tensor(cS.data(), hopper::accumulator_rows_cols(cS.layout()));
 
       Element const* head_keys = p.keys + int64_t(t.block_base) * p.key_block_stride +
                                  int64_t(head) * Traits::kHeadDim;
-      // Prologue: Q and keys 0 as one group, keys 1 .. kStages-2 one group each.
-      issue_query(sQ, p, t, g, head);
-      CUTE_UNROLL
-      for (int s = 0; s < Traits::kStages - 1; ++s) {
-        if (s < steps) issue_keys(sK, head_keys, p.key_block_stride, s, g.num_candidates, s);
-        cute::cp_async_fence();
-      }
-      cute::cp_async_wait<Traits::kStages - 2>();
-      cutlass::arch::fence_view_async_shared();  // written by cp.async (generic proxy), read by wgmma
-      __syncthreads();
-      auto keys_first = tSrK(_, _, _, 0);
-      hopper::warpgroup_gemm_issue<true>(mma, keys_first, tSrQ, acc0);
-
-      // Step n < steps - 1: keys n+1 ready (own copies, then the barrier for everyone's, which also means
-      // every warp has waited for product n-1, so its buffer may be refilled); issue product n+1 and the keys
-      // of step n + kStages - 1; wait for product n; reduce it. The last step only waits and reduces. Every
-      // wgmma and wait sits on a path without conditions of its own (ptxas serialises wgmma otherwise).
       auto reduce_step = [&](int n, auto& acc_rc) CUTLASS_LAMBDA_FUNC_INLINE {
         warpgroup_fence_operand(acc_rc);
         const int first_key = n * Traits::kStepKeys;
@@ -197,36 +178,77 @@ struct ScoreSelect {
           reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
         }
       };
-      auto middle_step = [&](int n, auto& acc_rc, auto& acc_next) CUTLASS_LAMBDA_FUNC_INLINE {
-        cute::cp_async_wait<Traits::kStages - 3>();
-        cutlass::arch::fence_view_async_shared();
-        __syncthreads();
-        auto keys_next = tSrK(_, _, _, (n + 1) % Traits::kStages);
-        hopper::warpgroup_gemm_issue<true>(mma, keys_next, tSrQ, acc_next);
-        const int refill = n + Traits::kStages - 1;
-        if (refill < steps) {
-          issue_keys(sK, head_keys, p.key_block_stride, refill, g.num_candidates, refill % Traits::kStages);
+      if constexpr (Traits::kOverlap) {
+        // Prologue: Q and keys 0 as one group, keys 1 .. kStages-2 one group each.
+        issue_query(sQ, p, t, g, head);
+        CUTE_UNROLL
+        for (int s = 0; s < Traits::kStages - 1; ++s) {
+          if (s < steps) issue_keys(sK, head_keys, p.key_block_stride, s, g.num_candidates, s);
+          cute::cp_async_fence();
         }
+        cute::cp_async_wait<Traits::kStages - 2>();
+        cutlass::arch::fence_view_async_shared();  // written by cp.async (generic proxy), read by wgmma
+        __syncthreads();
+        auto keys_first = tSrK(_, _, _, 0);
+        hopper::warpgroup_gemm_issue<true>(mma, keys_first, tSrQ, acc0);
+
+        // Step n < steps - 1: keys n+1 ready (own copies, then the barrier for everyone's, which also means
+        // every warp has waited for product n-1, so its buffer may be refilled); issue product n+1 and the
+        // keys of step n + kStages - 1; wait for product n; reduce it. The last step only waits and reduces.
+        // Every wgmma and wait sits on a path without conditions of its own (ptxas serialises wgmma otherwise).
+        auto middle_step = [&](int n, auto& acc_rc, auto& acc_next) CUTLASS_LAMBDA_FUNC_INLINE {
+          cute::cp_async_wait<Traits::kStages - 3>();
+          cutlass::arch::fence_view_async_shared();
+          __syncthreads();
+          auto keys_next = tSrK(_, _, _, (n + 1) % Traits::kStages);
+          hopper::warpgroup_gemm_issue<true>(mma, keys_next, tSrQ, acc_next);
+          const int refill = n + Traits::kStages - 1;
+          if (refill < steps) {
+            issue_keys(sK, head_keys, p.key_block_stride, refill, g.num_candidates, refill % Traits::kStages);
+          }
+          cute::cp_async_fence();
+          warpgroup_wait<1>();
+          reduce_step(n, acc_rc);
+        };
+        Tensor acc1 = partition_fragment_C(mma, TileS{});
+        Tensor acc1_rc = make_tensor(acc1.data(), hopper::accumulator_rows_cols(acc1.layout()));
+        int n = 0;
+        while (true) {
+          if (n + 1 >= steps) {
+            warpgroup_wait<0>();
+            reduce_step(n, acc0_rc);
+            break;
+          }
+          middle_step(n, acc0_rc, acc1);
+          ++n;
+          if (n + 1 >= steps) {
+            warpgroup_wait<0>();
+            reduce_step(n, acc1_rc);
+            break;
+          }
+          middle_step(n, acc1_rc, acc0);
+          ++n;
+        }
+      } else {
+        // Step n: keys n visible to all (own copies, then the barrier, which also means every warp has
+        // waited for product n-1, so the other buffer may be refilled); product n; keys n+1 into the other
+        // buffer; wait for the product; reduce it.
+        issue_query(sQ, p, t, g, head);
+        issue_keys(sK, head_keys, p.key_block_stride, 0, g.num_candidates, 0);
         cute::cp_async_fence();
-        warpgroup_wait<1>();
-        reduce_step(n, acc_rc);
-      };
-      int n = 0;
-      while (true) {
-        if (n + 1 >= steps) {
+        for (int n = 0; n < steps; ++n) {
+          cute::cp_async_wait<0>();
+          cutlass::arch::fence_view_async_shared();
+          __syncthreads();
+          auto keys_now = tSrK(_, _, _, n % 2);
+          hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc0);
+          if (n + 1 < steps) {
+            issue_keys(sK, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
+          }
+          cute::cp_async_fence();
           warpgroup_wait<0>();
           reduce_step(n, acc0_rc);
-          break;
         }
-        middle_step(n, acc0_rc, acc1);
-        ++n;
-        if (n + 1 >= steps) {
-          warpgroup_wait<0>();
-          reduce_step(n, acc1_rc);
-          break;
-        }
-        middle_step(n, acc1_rc, acc0);
-        ++n;
       }
     }
 
@@ -265,7 +287,7 @@ struct ScoreSelect {
 };
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, 2) score_select_kernel(ScoreParams<typename Traits::Element> p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm) score_select_kernel(ScoreParams<typename Traits::Element> p) {
   extern __shared__ char smem_raw[];
   // The swizzled buffers need 1024-byte aligned addresses (the hardware swizzles on address bits).
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));

@@ -9,15 +9,19 @@
 
 namespace fpv2::index {
 
-template <class Element_, int kHeadDim_>
+// kOverlap: two accumulators, the product of step n+1 under step n's exponentials, four key buffers, two
+// CTAs per SM; otherwise one accumulator and two key buffers, three CTAs per SM (more warps to hide latency).
+template <class Element_, int kHeadDim_, bool kOverlap_ = true>
 struct ScoreTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kCtasPerSm = kOverlap ? 2 : 3;
   static constexpr int kTileRows = 128;  // packed query rows of a tile (FPV2_KERNEL_TILE_SIZE)
   static constexpr int kStepKeys = 64;   // pooled keys per step (the wgmma's M)
   static constexpr int kThreads = 128;   // one warpgroup
-  // Key buffers: the loads run two steps ahead of the product that reads them (score_select_kernel.hpp).
-  static constexpr int kStages = 4;
+  // Key buffers: with kOverlap the loads run two steps ahead of the product that reads them, else one.
+  static constexpr int kStages = kOverlap ? 4 : 2;
   // Largest key-block count of a request: the tile's energies live in shared memory (64 KB).
   static constexpr int kMaxBlocks = 16384;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
