@@ -58,7 +58,7 @@ for l in sys.stdin:
     print(r['B'], r['L'], r['score_kernel'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
   done
   for variant in overlap occupancy; do
-    FPV2_SCORE_KERNEL=$variant FPV2_INDEX_SCORING=hopper with_packages timeout 200 ncu --kernel-name regex:score_select \
+    FPV2_SCORE_KERNEL=$variant FPV2_INDEX_SCORING=hopper with_packages timeout 200 ncu --kernel-name-base demangled --kernel-name regex:index::score_select \
       --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section ComputeWorkloadAnalysis --section SchedulerStats python3 benchmarks/hopper_scoring_speed.py \
       --shapes 1x131072 --repeats 2 --no-kernel-times --out "$LOGS/ncu-run-$variant.json" > "$RESULTS/ncu-$variant.txt" 2>&1
