@@ -5,8 +5,12 @@
 #   benchmarks/hopper_scoring_device_run.sh [all]  the GPU tests of the new kernel (tests/test_hopper_scoring.py:
 #                                      the grid against the reference and the Triton pass, stale workspace bits, no
 #                                      host sync), the Triton index GPU tests (which now take the Hopper kernel where
-#                                      it serves, FPV2_INDEX_SCORING=auto) and the kernel package's native ABI tests;
+#                                      it serves, FPV2_INDEX_SCORING=auto at the first run) and the kernel package's native ABI tests;
 #                                      then benchmarks/hopper_scoring_speed.py at 32K, 128K and 4 x 128K
+#   benchmarks/hopper_scoring_device_run.sh final  the landed kernel's GPU tests (the Triton index suite with
+#                                      FPV2_INDEX_SCORING=auto too), the speed table, fpv2 bench on vLLM's NHD views
+#                                      and at d = 64 / 256 through the copy (page 1)
+#   (the A/B of two kernel variants and its ncu ran as part "ab" at commit 415bd16: results/2026-12-04-h200-hopper-scoring/)
 #   benchmarks/hopper_scoring_device_run.sh bench  fpv2 bench of the corrected planted pipeline at page 1 (Hopper
 #                                      backend), 128K, 32K and 4 x 128K, with the Hopper scoring (auto) and the
 #                                      Triton pass (FPV2_INDEX_SCORING=triton)
@@ -43,28 +47,26 @@ if [ "$PART" = all ]; then
   tail -4 "$LOGS/speed.log" | cut -c1-600
 fi
 
-if [ "$PART" = ab ]; then
-  # The overlapped kernel (two accumulators, two CTAs per SM) against the occupancy variant (one accumulator,
-  # three CTAs per SM), then ncu of each at 128K (pipes, stall reasons, occupancy).
+if [ "$PART" = final ]; then
+  # The landed kernel (one accumulator, three CTAs per SM): its tests, the Triton index GPU suite with the kernel
+  # taking every call it serves (FPV2_INDEX_SCORING=auto), the native ABI tests, the speed table; then the Next
+  # list's unmeasured rows: fpv2 bench on vLLM's token-major (NHD) views, and d = 64 / 256 through the copy.
   gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  FPV2_SCORE_KERNEL=occupancy gpu_tests scoring-occupancy 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  for variant in overlap occupancy; do
-    FPV2_SCORE_KERNEL=$variant with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py \
-      --shapes 1x32768 1x131072 4x131072 --out "$RESULTS/hopper-scoring-speed-$variant.json" > "$LOGS/speed-$variant.log" 2>&1
-    echo "speed $variant: rc=$?"
-    grep '^{' "$LOGS/speed-$variant.log" | python3 -c "import json,sys
+  FPV2_INDEX_SCORING=auto gpu_tests index-auto 300 packages/fpv2-index/tests/test_triton_index.py \
+    packages/fpv2-index/tests/test_index_api.py packages/fpv2-index/tests/test_triton_index_variants.py -m gpu
+  gpu_tests native 120 packages/fpv2-kernel/tests/test_native_abi.py packages/fpv2-kernel/tests/test_native_score_abi.py
+  with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
+    --out "$RESULTS/hopper-scoring-speed.json" > "$LOGS/speed.log" 2>&1
+  echo "speed: rc=$?"
+  grep '^{' "$LOGS/speed.log" | python3 -c "import json,sys
 for l in sys.stdin:
     r=json.loads(l); k=r['kernels_us']
-    print(r['B'], r['L'], r['score_kernel'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+    print(r['B'], r['L'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+  for L in 131072 32768; do
+    bench_row 1 "$L" "bench-vllm-nhd-$L" 120 --page-size 16 --cache-layout vllm --backend hopper
   done
-  for variant in overlap occupancy; do
-    FPV2_SCORE_KERNEL=$variant FPV2_INDEX_SCORING=hopper with_packages timeout 200 ncu --kernel-name-base demangled --kernel-name regex:index::score_select \
-      --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy \
-      --section ComputeWorkloadAnalysis --section SchedulerStats python3 benchmarks/hopper_scoring_speed.py \
-      --shapes 1x131072 --repeats 2 --no-kernel-times --out "$LOGS/ncu-run-$variant.json" > "$RESULTS/ncu-$variant.txt" 2>&1
-    echo "ncu $variant: rc=$?"
-    grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Occupancy|Active Warps|Issued|Eligible|Registers|Block Limit" \
-      "$RESULTS/ncu-$variant.txt" | head -40 | cut -c1-150
+  for D in 64 256; do
+    bench_row 1 32768 "bench-page1-d$D" 120 --page-size 1 --head-dim "$D" --backend hopper
   done
 fi
 

@@ -49,7 +49,7 @@ needs_hopper = pytest.mark.skipif(
 
 # --------------------------------------------------------------------------- the switch (CPU)
 @pytest.mark.parametrize(
-    ("value", "mode"), [(None, "auto"), ("", "auto"), ("Triton", "triton"), (" hopper ", "hopper")]
+    ("value", "mode"), [(None, "triton"), ("", "triton"), ("AUTO", "auto"), (" hopper ", "hopper")]
 )
 def test_scoring_mode_reads_the_environment(monkeypatch, value, mode) -> None:
     if value is None:

@@ -2,8 +2,6 @@
 #include "index/launch_score.hpp"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include <cutlass/numeric_types.h>
 
@@ -45,24 +43,14 @@ ScoreParams<Element> make_params(const fpv2_score_args_t& a) {
   return p;
 }
 
-// FPV2_SCORE_KERNEL=occupancy selects the one-accumulator variant (three CTAs per SM) for A/B runs; anything
-// else the overlapped one. Read once per process.
-bool occupancy_variant() {
-  static const bool on = [] {
-    const char* value = std::getenv("FPV2_SCORE_KERNEL");
-    return value != nullptr && std::strcmp(value, "occupancy") == 0;
-  }();
-  return on;
-}
-
 int32_t cuda_failure(cudaError_t error, const char* what) {
   return detail::fail(FPV2_ERROR_CUDA, detail::format("fpv2_score_blocks: %s failed: %s (%s)", what,
                                                       cudaGetErrorName(error), cudaGetErrorString(error)));
 }
 
-template <class Element, int kHeadDim, bool kOverlap>
+template <class Element, int kHeadDim>
 int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream) {
-  using Traits = ScoreTraits<Element, kHeadDim, kOverlap>;
+  using Traits = ScoreTraits<Element, kHeadDim>;
   const ScoreParams<Element> p = make_params<Element>(args);
   if (p.num_segments > 0) {
     const size_t energies = size_t(args.max_blocks > 0 ? args.max_blocks : 1) * sizeof(float);
@@ -94,20 +82,12 @@ int32_t launch_score(const fpv2_score_args_t& args, cudaStream_t stream) {
   FPV2_RETURN_IF_ERROR(detail::check_hopper_device(guard.device(), "fpv2_score_blocks"));
   const bool bf16 = args.q.dtype == FPV2_DTYPE_BF16;
   const int64_t d = args.q.shape[2];
-  if (occupancy_variant()) {
-    if (bf16) {
-      return d == 64 ? launch_for<cutlass::bfloat16_t, 64, false>(args, stream)
-                     : launch_for<cutlass::bfloat16_t, 128, false>(args, stream);
-    }
-    return d == 64 ? launch_for<cutlass::half_t, 64, false>(args, stream)
-                   : launch_for<cutlass::half_t, 128, false>(args, stream);
-  }
   if (bf16) {
-    return d == 64 ? launch_for<cutlass::bfloat16_t, 64, true>(args, stream)
-                   : launch_for<cutlass::bfloat16_t, 128, true>(args, stream);
+    return d == 64 ? launch_for<cutlass::bfloat16_t, 64>(args, stream)
+                   : launch_for<cutlass::bfloat16_t, 128>(args, stream);
   }
-  return d == 64 ? launch_for<cutlass::half_t, 64, true>(args, stream)
-                 : launch_for<cutlass::half_t, 128, true>(args, stream);
+  return d == 64 ? launch_for<cutlass::half_t, 64>(args, stream)
+                 : launch_for<cutlass::half_t, 128>(args, stream);
 }
 
 }  // namespace fpv2::index

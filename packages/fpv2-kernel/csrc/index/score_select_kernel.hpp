@@ -1,9 +1,8 @@
 // The index stage's scoring and selection on Hopper: one CTA (one warpgroup) per (query tile, KV head).
 //
 // Pass 1 walks the tile's candidate pooled keys 64 at a time. Step n's product S = K_n Q^T (64 keys x 128
-// rows, fp32) is one wgmma issued before step n-1's accumulator is reduced, so the tensor cores run under
-// the exponentials (two accumulators alternate); the keys are copied by cp.async two steps ahead into a
-// 4-buffer ring. A key's log2 energy L_J = m_J + log2(sum_r 2^(s_rJ - m_J)), m_J its maximum over the rows
+// rows, fp32) is one wgmma; the keys of step n+1 are copied by cp.async into the other of two buffers while
+// step n is reduced. Three CTAs share an SM, so one's exponentials run under another's product. A key's log2 energy L_J = m_J + log2(sum_r 2^(s_rJ - m_J)), m_J its maximum over the rows
 // that see it, goes to shared memory; the running maximum over the tile's keys is kept in registers.
 // Only the last steps of a tile (keys some row does not see, or past the candidates) mask per logit.
 //
@@ -178,77 +177,24 @@ struct ScoreSelect {
           reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
         }
       };
-      if constexpr (Traits::kOverlap) {
-        // Prologue: Q and keys 0 as one group, keys 1 .. kStages-2 one group each.
-        issue_query(sQ, p, t, g, head);
-        CUTE_UNROLL
-        for (int s = 0; s < Traits::kStages - 1; ++s) {
-          if (s < steps) issue_keys(sK, head_keys, p.key_block_stride, s, g.num_candidates, s);
-          cute::cp_async_fence();
-        }
-        cute::cp_async_wait<Traits::kStages - 2>();
-        cutlass::arch::fence_view_async_shared();  // written by cp.async (generic proxy), read by wgmma
+      // Step n: keys n visible to all (own copies, then the barrier, which also means every warp has waited
+      // for product n-1, so the other buffer may be refilled); product n; keys n+1 into the other buffer;
+      // wait for the product; reduce it.
+      issue_query(sQ, p, t, g, head);
+      issue_keys(sK, head_keys, p.key_block_stride, 0, g.num_candidates, 0);
+      cute::cp_async_fence();
+      for (int n = 0; n < steps; ++n) {
+        cute::cp_async_wait<0>();
+        cutlass::arch::fence_view_async_shared();
         __syncthreads();
-        auto keys_first = tSrK(_, _, _, 0);
-        hopper::warpgroup_gemm_issue<true>(mma, keys_first, tSrQ, acc0);
-
-        // Step n < steps - 1: keys n+1 ready (own copies, then the barrier for everyone's, which also means
-        // every warp has waited for product n-1, so its buffer may be refilled); issue product n+1 and the
-        // keys of step n + kStages - 1; wait for product n; reduce it. The last step only waits and reduces.
-        // Every wgmma and wait sits on a path without conditions of its own (ptxas serialises wgmma otherwise).
-        auto middle_step = [&](int n, auto& acc_rc, auto& acc_next) CUTLASS_LAMBDA_FUNC_INLINE {
-          cute::cp_async_wait<Traits::kStages - 3>();
-          cutlass::arch::fence_view_async_shared();
-          __syncthreads();
-          auto keys_next = tSrK(_, _, _, (n + 1) % Traits::kStages);
-          hopper::warpgroup_gemm_issue<true>(mma, keys_next, tSrQ, acc_next);
-          const int refill = n + Traits::kStages - 1;
-          if (refill < steps) {
-            issue_keys(sK, head_keys, p.key_block_stride, refill, g.num_candidates, refill % Traits::kStages);
-          }
-          cute::cp_async_fence();
-          warpgroup_wait<1>();
-          reduce_step(n, acc_rc);
-        };
-        Tensor acc1 = partition_fragment_C(mma, TileS{});
-        Tensor acc1_rc = make_tensor(acc1.data(), hopper::accumulator_rows_cols(acc1.layout()));
-        int n = 0;
-        while (true) {
-          if (n + 1 >= steps) {
-            warpgroup_wait<0>();
-            reduce_step(n, acc0_rc);
-            break;
-          }
-          middle_step(n, acc0_rc, acc1);
-          ++n;
-          if (n + 1 >= steps) {
-            warpgroup_wait<0>();
-            reduce_step(n, acc1_rc);
-            break;
-          }
-          middle_step(n, acc1_rc, acc0);
-          ++n;
+        auto keys_now = tSrK(_, _, _, n % 2);
+        hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc0);
+        if (n + 1 < steps) {
+          issue_keys(sK, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
         }
-      } else {
-        // Step n: keys n visible to all (own copies, then the barrier, which also means every warp has
-        // waited for product n-1, so the other buffer may be refilled); product n; keys n+1 into the other
-        // buffer; wait for the product; reduce it.
-        issue_query(sQ, p, t, g, head);
-        issue_keys(sK, head_keys, p.key_block_stride, 0, g.num_candidates, 0);
         cute::cp_async_fence();
-        for (int n = 0; n < steps; ++n) {
-          cute::cp_async_wait<0>();
-          cutlass::arch::fence_view_async_shared();
-          __syncthreads();
-          auto keys_now = tSrK(_, _, _, n % 2);
-          hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc0);
-          if (n + 1 < steps) {
-            issue_keys(sK, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
-          }
-          cute::cp_async_fence();
-          warpgroup_wait<0>();
-          reduce_step(n, acc0_rc);
-        }
+        warpgroup_wait<0>();
+        reduce_step(n, acc0_rc);
       }
     }
 

@@ -9,19 +9,18 @@
 
 namespace fpv2::index {
 
-// kOverlap: two accumulators, the product of step n+1 under step n's exponentials, four key buffers, two
-// CTAs per SM; otherwise one accumulator and two key buffers, three CTAs per SM (more warps to hide latency).
-template <class Element_, int kHeadDim_, bool kOverlap_ = true>
+// One accumulator and two key buffers, three CTAs per SM: measured faster than two accumulators with the
+// product of step n+1 under step n's exponentials at two CTAs per SM (benchmarks/NOTES.md, 2026-12-04).
+template <class Element_, int kHeadDim_>
 struct ScoreTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kOverlap = kOverlap_;
-  static constexpr int kCtasPerSm = kOverlap ? 2 : 3;
+  static constexpr int kCtasPerSm = 3;
   static constexpr int kTileRows = 128;  // packed query rows of a tile (FPV2_KERNEL_TILE_SIZE)
   static constexpr int kStepKeys = 64;   // pooled keys per step (the wgmma's M)
   static constexpr int kThreads = 128;   // one warpgroup
-  // Key buffers: with kOverlap the loads run two steps ahead of the product that reads them, else one.
-  static constexpr int kStages = kOverlap ? 4 : 2;
+  // Key buffers: the keys of step n+1 load while step n is reduced.
+  static constexpr int kStages = 2;
   // Largest key-block count of a request: the tile's energies live in shared memory (64 KB).
   static constexpr int kMaxBlocks = 16384;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");

@@ -3,10 +3,14 @@ scoring (``fpv2_score_blocks``, :mod:`fpv2.kernel._native.score`) instead of the
 
 Both apply the same rule to the same prepared keys and write the same keep bits, counts and offsets (up
 to blocks whose energy ratio lies within rounding of ``alpha``); the compaction that follows is shared.
-``$FPV2_INDEX_SCORING`` chooses: ``auto`` (the default) takes the Hopper kernel wherever it serves the
-call (an sm_90 GPU, a library built with the Hopper code, bf16 or fp16 queries, head dims 64 and 128,
-128-row tiles, every row scored, at most 16384 key blocks per request) and the Triton pass elsewhere;
-``triton`` always takes the Triton pass; ``hopper`` requires the kernel and raises where it cannot serve.
+``$FPV2_INDEX_SCORING`` chooses: ``triton`` (the default) always takes the Triton pass; ``auto`` takes the
+Hopper kernel wherever it serves the call (an sm_90 GPU, a library built with the Hopper code, bf16 or fp16
+queries, head dims 64 and 128, 128-row tiles, every row scored, at most 16384 key blocks per request) and
+the Triton pass elsewhere; ``hopper`` requires the kernel and raises where it cannot serve.
+
+The Triton pass stays the default because it is faster on the H200: 1.55 against 1.91 ms at 128K, 0.17
+against 0.23 ms at 32K, 6.27 against 7.58 ms at 4 x 128K (scoring kernel alone, identical indexes;
+``benchmarks/NOTES.md``, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ SCORING_MODES = ("auto", "triton", "hopper")
 
 
 def scoring_mode() -> str:
-    """The scoring pass asked for by ``$FPV2_INDEX_SCORING`` (unset or empty: ``auto``).
+    """The scoring pass asked for by ``$FPV2_INDEX_SCORING`` (unset or empty: ``triton``).
 
     Raises:
         ValueError: an unknown value.
     """
-    mode = os.environ.get(SCORING_ENV, "").strip().lower() or "auto"
+    mode = os.environ.get(SCORING_ENV, "").strip().lower() or "triton"
     if mode not in SCORING_MODES:
         raise ValueError(f"{SCORING_ENV}={mode!r}; expected one of {', '.join(SCORING_MODES)}")
     return mode
