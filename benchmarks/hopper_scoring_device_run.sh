@@ -70,6 +70,30 @@ for l in sys.stdin:
   done
 fi
 
+if [ "$PART" = persist ]; then
+  # Persistent CTAs (the next tile located and its first loads issued under the last step's exponentials and
+  # the selection). Prediction: the per-tile fixed cost (about 7 us per tile and slot, fitted from the 32K and
+  # 128K times of the one-CTA-per-tile kernel) drops to 3-4 us: 1.90 -> 1.55-1.65 ms at 128K, 0.23 -> 0.18-0.20 at
+  # 32K. Then ncu's stall reasons of the persistent kernel at 128K.
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  FPV2_INDEX_SCORING=auto gpu_tests index-auto 300 packages/fpv2-index/tests/test_triton_index.py \
+    packages/fpv2-index/tests/test_index_api.py -m gpu
+  with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
+    --out "$RESULTS/hopper-scoring-speed-persistent.json" > "$LOGS/speed.log" 2>&1
+  echo "speed: rc=$?"
+  grep '^{' "$LOGS/speed.log" | python3 -c "import json,sys
+for l in sys.stdin:
+    r=json.loads(l); k=r['kernels_us']
+    print(r['B'], r['L'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+  FPV2_INDEX_SCORING=hopper with_packages timeout 200 ncu --kernel-name-base demangled \
+    --kernel-name regex:index::score_select --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --section Occupancy --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 benchmarks/hopper_scoring_speed.py --shapes 1x131072 --repeats 2 --no-kernel-times \
+    --out "$LOGS/ncu-run.json" > "$RESULTS/ncu-persistent.txt" 2>&1
+  echo "ncu: rc=$?"
+  grep -E "Duration|Compute \(SM\)|issue_stalled" "$RESULTS/ncu-persistent.txt" | sort -k3 -n -r | head -24 | cut -c1-140
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

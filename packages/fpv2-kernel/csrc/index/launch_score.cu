@@ -1,6 +1,7 @@
 // Launches of the index stage's scoring kernel: one instantiation per (element type, head dim).
 #include "index/launch_score.hpp"
 
+#include <algorithm>
 #include <atomic>
 
 #include <cutlass/numeric_types.h>
@@ -48,8 +49,32 @@ int32_t cuda_failure(cudaError_t error, const char* what) {
                                                       cudaGetErrorName(error), cudaGetErrorString(error)));
 }
 
+// CTAs of `kernel` resident per SM at `smem` bytes (the persistent grid's width), remembered per (device,
+// kernel, smem): the occupancy query costs host time on every call otherwise.
+template <class Kernel>
+int32_t resident_ctas(Kernel kernel, int threads, size_t smem, int device, int* ctas) {
+  struct Entry {
+    const void* kernel;
+    size_t smem;
+    int device;
+    int ctas;
+  };
+  static thread_local Entry last{nullptr, 0, -1, 0};
+  const void* key = reinterpret_cast<const void*>(kernel);
+  if (last.kernel == key && last.smem == smem && last.device == device) {
+    *ctas = last.ctas;
+    return FPV2_OK;
+  }
+  int blocks = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem);
+  if (e != cudaSuccess) return cuda_failure(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  *ctas = blocks > 0 ? blocks : 1;
+  last = Entry{key, smem, device, *ctas};
+  return FPV2_OK;
+}
+
 template <class Element, int kHeadDim>
-int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream) {
+int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int device, int sm_count) {
   using Traits = ScoreTraits<Element, kHeadDim>;
   const ScoreParams<Element> p = make_params<Element>(args);
   if (p.num_segments > 0) {
@@ -63,7 +88,9 @@ int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream) {
       if (e != cudaSuccess) return cuda_failure(e, "cudaFuncSetAttribute");
       granted.store(smem, std::memory_order_relaxed);
     }
-    const int64_t ctas = p.num_segments;
+    int ctas_per_sm = 0;
+    FPV2_RETURN_IF_ERROR(resident_ctas(score_select_kernel<Traits>, Traits::kThreads, smem, device, &ctas_per_sm));
+    const int64_t ctas = std::min<int64_t>(p.num_segments, int64_t(ctas_per_sm) * sm_count);
     score_select_kernel<Traits><<<dim3(unsigned(ctas)), dim3(Traits::kThreads), smem, stream>>>(p);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_failure(e, "the scoring kernel's launch");
@@ -79,15 +106,19 @@ int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream) {
 int32_t launch_score(const fpv2_score_args_t& args, cudaStream_t stream) {
   detail::DeviceGuard guard;
   FPV2_RETURN_IF_ERROR(guard.select(args.device, "fpv2_score_blocks"));
-  FPV2_RETURN_IF_ERROR(detail::check_hopper_device(guard.device(), "fpv2_score_blocks"));
+  const int device = guard.device();
+  FPV2_RETURN_IF_ERROR(detail::check_hopper_device(device, "fpv2_score_blocks"));
+  int sm_count = 0;
+  const cudaError_t e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return cuda_failure(e, "cudaDeviceGetAttribute(multiprocessors)");
   const bool bf16 = args.q.dtype == FPV2_DTYPE_BF16;
   const int64_t d = args.q.shape[2];
   if (bf16) {
-    return d == 64 ? launch_for<cutlass::bfloat16_t, 64>(args, stream)
-                   : launch_for<cutlass::bfloat16_t, 128>(args, stream);
+    return d == 64 ? launch_for<cutlass::bfloat16_t, 64>(args, stream, device, sm_count)
+                   : launch_for<cutlass::bfloat16_t, 128>(args, stream, device, sm_count);
   }
-  return d == 64 ? launch_for<cutlass::half_t, 64>(args, stream)
-                 : launch_for<cutlass::half_t, 128>(args, stream);
+  return d == 64 ? launch_for<cutlass::half_t, 64>(args, stream, device, sm_count)
+                 : launch_for<cutlass::half_t, 128>(args, stream, device, sm_count);
 }
 
 }  // namespace fpv2::index

@@ -138,67 +138,126 @@ struct ScoreSelect {
     }
   }
 
+  // One tile's geometry and where its keys start, for the walk and for the prefetch of its first loads.
+  struct Work {
+    ScoreTile tile;
+    ScoreGeometry geometry;
+    int head;
+    int steps;
+    int64_t segment;
+  };
+
+  // The segment `work` of the heaviest-first order (the last tiles of the batch, the most keys, first); the
+  // request lookup is redone only when the walk leaves the cached request (uniform over the CTA).
+  __device__ static Work locate(ScoreParams<Element> const& p, int64_t work, ScoreTile& cached, int32_t* slots) {
+    Work w;
+    const int64_t unit = p.num_tiles - 1 - work / p.num_kv_heads;
+    w.head = int(work % p.num_kv_heads);
+    if (unit < cached.tile_begin || unit >= int64_t(cached.tile_begin) + cached.tiles) {
+      cached = find_tile(p, unit, Traits::kTileRows, slots);
+    }
+    w.tile = cached;
+    w.tile.tile = int(unit - cached.tile_begin);
+    w.geometry = tile_geometry(p, w.tile, Traits::kTileRows, Traits::kStepKeys);
+    w.steps = (w.geometry.num_candidates + Traits::kStepKeys - 1) / Traits::kStepKeys;
+    w.segment = int64_t(p.num_kv_heads) * w.tile.tile_begin + int64_t(w.head) * w.tile.tiles + w.tile.tile;
+    return w;
+  }
+
+  template <class SmemQ, class SmemKeys>
+  __device__ static void issue_first_loads(SmemQ& sQ, SmemKeys& sK, ScoreParams<Element> const& p, Work const& w) {
+    issue_query(sQ, p, w.tile, w.geometry, w.head);
+    issue_keys(sK, head_keys_of(p, w), p.key_block_stride, 0, w.geometry.num_candidates, 0);
+    cute::cp_async_fence();
+  }
+
+  __device__ static Element const* head_keys_of(ScoreParams<Element> const& p, Work const& w) {
+    return p.keys + int64_t(w.tile.block_base) * p.key_block_stride + int64_t(w.head) * Traits::kHeadDim;
+  }
+
+  // Persistent CTAs: CTA c takes segments c, c + gridDim.x, ... As soon as a tile's last product is done, the
+  // next tile is located and its query rows and first keys are issued, so that they load under the last
+  // step's exponentials and the selection.
   __device__ static void run(ScoreParams<Element> const& p, char* smem_base) {
     using namespace cute;
     auto& smem = *reinterpret_cast<ScoreSharedStorage<Traits>*>(smem_base);
     float* energies = reinterpret_cast<float*>(smem_base + sizeof(ScoreSharedStorage<Traits>));
 
-    // The last tiles of the batch (the most keys) first: CTAs are dispatched roughly in index order.
-    const int64_t unit = p.num_tiles - 1 - int64_t(blockIdx.x) / p.num_kv_heads;
-    const int head = int(blockIdx.x % p.num_kv_heads);
-    const ScoreTile t = find_tile(p, unit, Traits::kTileRows, smem.tile);
-    const ScoreGeometry g = tile_geometry(p, t, Traits::kTileRows, Traits::kStepKeys);
-    const int64_t segment = int64_t(p.num_kv_heads) * t.tile_begin + int64_t(head) * t.tiles + t.tile;
+    typename Traits::TiledMma mma;
+    auto thr = mma.get_thread_slice(threadIdx.x);
+    auto wg = mma.get_thread_slice(0);  // descriptors depend on the warpgroup only
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.keys), typename Traits::SmemLayoutKeys{});
+    Tensor tSrK = wg.partition_fragment_A(sK);  // (MMA, MMA_M, MMA_K, stages)
+    Tensor tSrQ = wg.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K)
+    using TileS = Shape<Int<Traits::kStepKeys>, Int<Traits::kTileRows>>;
+    Tensor acc = partition_fragment_C(mma, TileS{});
+    Tensor acc_rc = make_tensor(acc.data(), hopper::accumulator_rows_cols(acc.layout()));
+    Tensor cS = thr.partition_C(make_identity_tensor(TileS{}));
+    Tensor cS_rc = make_tensor(cS.data(), hopper::accumulator_rows_cols(cS.layout()));
 
-    float running_max = -INFINITY;
-    const int steps = (g.num_candidates + Traits::kStepKeys - 1) / Traits::kStepKeys;
-    if (steps > 0) {  // uniform over the CTA
-      typename Traits::TiledMma mma;
-      auto thr = mma.get_thread_slice(threadIdx.x);
-      auto wg = mma.get_thread_slice(0);  // descriptors depend on the warpgroup only
-      Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});
-      Tensor sK = make_tensor(make_smem_ptr(smem.keys), typename Traits::SmemLayoutKeys{});
-      Tensor tSrK = wg.partition_fragment_A(sK);  // (MMA, MMA_M, MMA_K, stages)
-      Tensor tSrQ = wg.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K)
-      using TileS = Shape<Int<Traits::kStepKeys>, Int<Traits::kTileRows>>;
-      Tensor acc0 = partition_fragment_C(mma, TileS{});
-      Tensor acc0_rc = make_tensor(acc0.data(), hopper::accumulator_rows_cols(acc0.layout()));
-      Tensor cS = thr.partition_C(make_identity_tensor(TileS{}));
-      Tensor cS_rc = make_tensor(cS.data(), hopper::accumulator_rows_cols(cS.layout()));
-
-      Element const* head_keys = p.keys + int64_t(t.block_base) * p.key_block_stride +
-                                 int64_t(head) * Traits::kHeadDim;
-      auto reduce_step = [&](int n, auto& acc_rc) CUTLASS_LAMBDA_FUNC_INLINE {
-        warpgroup_fence_operand(acc_rc);
-        const int first_key = n * Traits::kStepKeys;
-        if (first_key + Traits::kStepKeys <= g.num_full) {
-          reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
-        } else {
-          reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+    ScoreTile cached{};
+    cached.tiles = 0;  // nothing cached: every unit lies outside
+    int64_t work = blockIdx.x;
+    if (work >= p.num_segments) return;
+    Work w = locate(p, work, cached, smem.tile);
+    if (w.steps > 0) issue_first_loads(sQ, sK, p, w);
+    while (true) {
+      const ScoreGeometry& g = w.geometry;
+      const int64_t next_work = work + gridDim.x;
+      const bool has_next = next_work < p.num_segments;
+      Work next{};
+      // Locates the next tile and issues its first loads: once this tile no longer reads Q or the keys.
+      auto prefetch_next = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if (has_next) {
+          next = locate(p, next_work, cached, smem.tile);
+          if (next.steps > 0) issue_first_loads(sQ, sK, p, next);
         }
       };
-      // Step n: keys n visible to all (own copies, then the barrier, which also means every warp has waited
-      // for product n-1, so the other buffer may be refilled); product n; keys n+1 into the other buffer;
-      // wait for the product; reduce it.
-      issue_query(sQ, p, t, g, head);
-      issue_keys(sK, head_keys, p.key_block_stride, 0, g.num_candidates, 0);
-      cute::cp_async_fence();
-      for (int n = 0; n < steps; ++n) {
-        cute::cp_async_wait<0>();
-        cutlass::arch::fence_view_async_shared();
-        __syncthreads();
-        auto keys_now = tSrK(_, _, _, n % 2);
-        hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc0);
-        if (n + 1 < steps) {
-          issue_keys(sK, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
+      float running_max = -INFINITY;
+      if (w.steps == 0) {
+        prefetch_next();
+      } else {
+        Element const* head_keys = head_keys_of(p, w);
+        // Step n: keys n visible to all (own copies, then the barrier, which also means every warp has waited
+        // for product n-1, so the other buffer may be refilled); product n; keys n+1 into the other buffer;
+        // wait for the product; reduce it. After the last product, the next tile's first loads.
+        for (int n = 0; n < w.steps; ++n) {
+          cute::cp_async_wait<0>();
+          cutlass::arch::fence_view_async_shared();
+          __syncthreads();
+          auto keys_now = tSrK(_, _, _, n % 2);
+          hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc);
+          const bool last = n + 1 == w.steps;
+          if (!last) {
+            issue_keys(sK, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
+            cute::cp_async_fence();
+          }
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_rc);
+          if (last) {
+            __syncthreads();  // every warp is past the last product: Q and both key buffers are free
+            prefetch_next();
+          }
+          const int first_key = n * Traits::kStepKeys;
+          if (first_key + Traits::kStepKeys <= g.num_full) {
+            reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+          } else {
+            reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+          }
         }
-        cute::cp_async_fence();
-        warpgroup_wait<0>();
-        reduce_step(n, acc0_rc);
       }
+      select(p, smem, energies, w, running_max);
+      if (!has_next) break;
+      work = next_work;
+      w = next;
     }
+  }
 
-    // ---- pass 2: the tile's peak energy, then one ballot per 32 blocks.
+  // Pass 2: the tile's peak energy, then one ballot per 32 blocks, and the segment's count.
+  __device__ static void select(ScoreParams<Element> const& p, ScoreSharedStorage<Traits>& smem,
+                                float const* energies, Work const& w, float running_max) {
+    const ScoreGeometry& g = w.geometry;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     float peak = running_max;
@@ -210,7 +269,7 @@ struct ScoreSelect {
     const float threshold = peak == -INFINITY ? INFINITY : p.alpha;
     const float peak_offset = peak == -INFINITY ? 0.0f : peak;
     const int num_words = (g.num_visible + 63) / 64 * 2;
-    uint32_t* bits_row = p.keep_bits + segment * p.bits_stride;
+    uint32_t* bits_row = p.keep_bits + w.segment * p.bits_stride;
     int count = 0;
     for (int word = warp; word < num_words; word += Traits::kThreads / 32) {
       const int block = word * 32 + lane;
@@ -225,9 +284,9 @@ struct ScoreSelect {
       count += __popc(bits);
     }
     if (lane == 0) smem.warp_count[warp] = count;
-    __syncthreads();
+    __syncthreads();  // also: every thread is done with warp_max and the energies before the next tile
     if (threadIdx.x == 0) {
-      p.counts[segment] = smem.warp_count[0] + smem.warp_count[1] + smem.warp_count[2] + smem.warp_count[3];
+      p.counts[w.segment] = smem.warp_count[0] + smem.warp_count[1] + smem.warp_count[2] + smem.warp_count[3];
     }
   }
 };
