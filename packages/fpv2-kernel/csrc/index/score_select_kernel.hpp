@@ -33,6 +33,21 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// 2^x for finite x <= 0 on the FMA pipe: x = j + f, j = round(x), 2^f by a degree-5 polynomial (relative
+// error about 2.4e-7, that of ex2.approx), j added to the exponent bits; x clamped at -120 (2^-120 next to a
+// key's largest term, 1, does not change its sum). The coefficients are those of fpv2.index's Triton pass.
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -120.0f);
+  const float t = x + 12582912.0f;
+  const float f = x - (t - 12582912.0f);
+  float p = fmaf(f, 0.0013276466634124517f, 0.009675541892647743f);
+  p = fmaf(p, f, 0.05550713464617729f);
+  p = fmaf(p, f, 0.24022120237350464f);
+  p = fmaf(p, f, 0.6931469440460205f);
+  p = fmaf(p, f, 1.0000001192092896f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // 16-byte cp.async of rows into a swizzled buffer, zero-filled when `valid` is false.
 template <class Element>
 __device__ __forceinline__ void copy_chunk(Element const* src, Element* dst, bool valid) {
@@ -95,44 +110,67 @@ struct ScoreSelect {
   // One step's energies from its accumulator (keys x rows view): stored for the tile's candidates, folded
   // into the running maximum. kMasked: the logits of rows that do not see a key, and keys past the
   // candidates, are left out.
-  template <bool kMasked, class AccRowsCols, class CoordRowsCols>
+  template <bool kMasked, bool kPoly, class AccRowsCols, class CoordRowsCols>
   __device__ __forceinline__ static void reduce(AccRowsCols& s, CoordRowsCols const& coord, int first_key,
                                                 ScoreGeometry const& g, ScoreParams<Element> const& p,
                                                 float* energies, float& running_max) {
     using namespace cute;
-    constexpr int kKeysHeld = decltype(size<0>(s))::value;
-    constexpr int kCols = decltype(size<1>(s))::value;
+    constexpr int kKeys = decltype(size<0>(s))::value;  // keys a thread holds (2)
+    constexpr int kCols = decltype(size<1>(s))::value;  // rows of each (32)
+    // The thread's keys side by side at every stage (independent chains: the warp's instruction stream has
+    // twice the parallelism of one key after the other).
+    int block[kKeys];
+    bool key_ok[kKeys];
     CUTE_UNROLL
-    for (int i = 0; i < kKeysHeld; ++i) {
-      const int block = first_key + int(get<0>(coord(i, 0)));
-      bool key_ok = true;
-      int min_row = 0;  // rows at or after it see the block (packed rows, within the tile)
+    for (int i = 0; i < kKeys; ++i) {
+      block[i] = first_key + int(get<0>(coord(i, 0)));
+      key_ok[i] = true;
       if constexpr (kMasked) {
-        key_ok = block < g.num_candidates;
+        key_ok[i] = block[i] < g.num_candidates;
         // Row r sees block J when J * Bk <= prefix + (row_begin + r) / g, i.e. (J * Bk - prefix) * g <= row.
-        const int64_t ahead = int64_t(block) * p.block_size - g.prefix;
+        const int64_t ahead = int64_t(block[i]) * p.block_size - g.prefix;
         const int64_t first_row = ahead > 0 ? ahead * p.group - g.row_begin : 0;
-        min_row = first_row > Traits::kTileRows ? Traits::kTileRows : int(first_row);
+        const int min_row = first_row > Traits::kTileRows ? Traits::kTileRows : int(first_row);
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
           const int row = int(get<1>(coord(i, j)));
-          if (!key_ok || row < min_row || row >= g.num_rows) s(i, j) = -INFINITY;
+          if (!key_ok[i] || row < min_row || row >= g.num_rows) s(i, j) = -INFINITY;
         }
       }
-      // Maximum over the thread's 32 rows as a tree of independent pairs, then over the quad.
-      float m[kCols / 2];
+    }
+    // Maximum over the thread's rows as a tree of independent pairs, then over the quad.
+    float m[kKeys][kCols / 2];
+    CUTE_UNROLL
+    for (int j = 0; j < kCols / 2; ++j) {
       CUTE_UNROLL
-      for (int j = 0; j < kCols / 2; ++j) m[j] = fmaxf(s(i, j), s(i, j + kCols / 2));
-      fold_max<kCols / 4>(m);
-      const float key_max = hopper::quad_max(m[0]);
-      const float offset = key_max == -INFINITY ? 0.0f : key_max;
-      float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int i = 0; i < kKeys; ++i) m[i][j] = fmaxf(s(i, j), s(i, j + kCols / 2));
+    }
+    float offset[kKeys];
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      fold_max<kCols / 4>(m[i]);
+      const float key_max = hopper::quad_max(m[i][0]);
+      offset[i] = key_max == -INFINITY ? 0.0f : key_max;
+    }
+    // Sums of 2^(s - max), four partial sums per key; with kPoly the top quarter of the rows through a
+    // polynomial on the FMA pipe (the multi-function unit takes one exponential per lane every 8 cycles).
+    float sums[kKeys][4];
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) sums[i][0] = sums[i][1] = sums[i][2] = sums[i][3] = 0.0f;
+    CUTE_UNROLL
+    for (int j = 0; j < kCols; ++j) {
       CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) sums[j % 4] += hopper::fast_exp2(s(i, j) - offset);
-      const float total = hopper::quad_sum((sums[0] + sums[1]) + (sums[2] + sums[3]));
-      const float energy = offset + fast_log2(total);  // -inf when no row sees the key
-      if (key_ok) {
-        if (threadIdx.x % 4 == 0) energies[block] = energy;
+      for (int i = 0; i < kKeys; ++i) {
+        const float x = s(i, j) - offset[i];
+        sums[i][j % 4] += (kPoly && j >= kCols * 3 / 4) ? exp2_poly(x) : hopper::fast_exp2(x);
+      }
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      const float total = hopper::quad_sum((sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]));
+      const float energy = offset[i] + fast_log2(total);  // -inf when no row sees the key
+      if (key_ok[i]) {
+        if (threadIdx.x % 4 == 0) energies[block[i]] = energy;
         running_max = fmaxf(running_max, energy);
       }
     }
@@ -241,9 +279,9 @@ struct ScoreSelect {
           }
           const int first_key = n * Traits::kStepKeys;
           if (first_key + Traits::kStepKeys <= g.num_full) {
-            reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+            reduce<false, Traits::kPoly>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           } else {
-            reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+            reduce<true, Traits::kPoly>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           }
         }
       }
