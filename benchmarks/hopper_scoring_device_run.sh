@@ -94,21 +94,16 @@ for l in sys.stdin:
   grep -E "Duration|Compute \(SM\)|issue_stalled" "$RESULTS/ncu-persistent.txt" | sort -k3 -n -r | head -24 | cut -c1-140
 fi
 
-if [ "$PART" = ilp ]; then
-  # Each thread's two keys reduced side by side (twice the independent chains; ncu of the persistent kernel:
-  # "wait" 1.60 and dispatch stalls 0.93 per issued instruction), with and without a quarter of the
-  # exponentials through the FMA-pipe polynomial (FPV2_SCORE_POLY=1). Prediction: 1.85 -> 1.5-1.6 ms at 128K.
+if [ "$PART" = last ]; then
+  # The landed kernel (persistent CTAs, the two keys side by side; the FPV2_SCORE_POLY knob of part "ilp" at
+  # dcf6a91 measured slower and was removed): its tests and the native ABI tests, then fpv2 bench on vLLM's
+  # token-major (NHD) views at 128K and 32K (part "final" lost their JSON to the transfer's file count: packed).
   gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  FPV2_SCORE_POLY=1 gpu_tests scoring-poly 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  for poly in 0 1; do
-    FPV2_SCORE_POLY=$poly with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py \
-      --shapes 1x32768 1x131072 4x131072 --out "$RESULTS/hopper-scoring-speed-ilp-poly$poly.json" > "$LOGS/speed-$poly.log" 2>&1
-    echo "speed poly=$poly: rc=$?"
-    grep '^{' "$LOGS/speed-$poly.log" | python3 -c "import json,sys
-for l in sys.stdin:
-    r=json.loads(l); k=r['kernels_us']
-    print(r['B'], r['L'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+  gpu_tests native 120 packages/fpv2-kernel/tests/test_native_abi.py packages/fpv2-kernel/tests/test_native_score_abi.py
+  for L in 131072 32768; do
+    bench_row 1 "$L" "bench-vllm-nhd-$L" 120 --page-size 16 --cache-layout vllm --backend hopper
   done
+  (cd "$RESULTS" && tar czf bench-vllm-nhd.tgz bench-vllm-nhd-* && rm -rf bench-vllm-nhd-*)
 fi
 
 if [ "$PART" = bench ]; then

@@ -3,8 +3,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include <cutlass/numeric_types.h>
 
@@ -51,15 +49,6 @@ int32_t cuda_failure(cudaError_t error, const char* what) {
                                                       cudaGetErrorName(error), cudaGetErrorString(error)));
 }
 
-// FPV2_SCORE_POLY=1: a quarter of the exponentials on the FMA pipe (an A/B knob; read once per process).
-bool poly_exponentials() {
-  static const bool on = [] {
-    const char* value = std::getenv("FPV2_SCORE_POLY");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-  }();
-  return on;
-}
-
 // CTAs of `kernel` resident per SM at `smem` bytes (the persistent grid's width), remembered per (device,
 // kernel, smem): the occupancy query costs host time on every call otherwise.
 template <class Kernel>
@@ -84,9 +73,9 @@ int32_t resident_ctas(Kernel kernel, int threads, size_t smem, int device, int* 
   return FPV2_OK;
 }
 
-template <class Element, int kHeadDim, bool kPoly>
+template <class Element, int kHeadDim>
 int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int device, int sm_count) {
-  using Traits = ScoreTraits<Element, kHeadDim, kPoly>;
+  using Traits = ScoreTraits<Element, kHeadDim>;
   const ScoreParams<Element> p = make_params<Element>(args);
   if (p.num_segments > 0) {
     const size_t energies = size_t(args.max_blocks > 0 ? args.max_blocks : 1) * sizeof(float);
@@ -124,20 +113,12 @@ int32_t launch_score(const fpv2_score_args_t& args, cudaStream_t stream) {
   if (e != cudaSuccess) return cuda_failure(e, "cudaDeviceGetAttribute(multiprocessors)");
   const bool bf16 = args.q.dtype == FPV2_DTYPE_BF16;
   const int64_t d = args.q.shape[2];
-  if (poly_exponentials()) {
-    if (bf16) {
-      return d == 64 ? launch_for<cutlass::bfloat16_t, 64, true>(args, stream, device, sm_count)
-                     : launch_for<cutlass::bfloat16_t, 128, true>(args, stream, device, sm_count);
-    }
-    return d == 64 ? launch_for<cutlass::half_t, 64, true>(args, stream, device, sm_count)
-                   : launch_for<cutlass::half_t, 128, true>(args, stream, device, sm_count);
-  }
   if (bf16) {
-    return d == 64 ? launch_for<cutlass::bfloat16_t, 64, false>(args, stream, device, sm_count)
-                   : launch_for<cutlass::bfloat16_t, 128, false>(args, stream, device, sm_count);
+    return d == 64 ? launch_for<cutlass::bfloat16_t, 64>(args, stream, device, sm_count)
+                   : launch_for<cutlass::bfloat16_t, 128>(args, stream, device, sm_count);
   }
-  return d == 64 ? launch_for<cutlass::half_t, 64, false>(args, stream, device, sm_count)
-                 : launch_for<cutlass::half_t, 128, false>(args, stream, device, sm_count);
+  return d == 64 ? launch_for<cutlass::half_t, 64>(args, stream, device, sm_count)
+                 : launch_for<cutlass::half_t, 128>(args, stream, device, sm_count);
 }
 
 }  // namespace fpv2::index

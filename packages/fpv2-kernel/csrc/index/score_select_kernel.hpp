@@ -1,9 +1,11 @@
-// The index stage's scoring and selection on Hopper: one CTA (one warpgroup) per (query tile, KV head).
+// The index stage's scoring and selection on Hopper: persistent CTAs of one warpgroup, each walking (query
+// tile, KV head) segments, heaviest first.
 //
 // Pass 1 walks the tile's candidate pooled keys 64 at a time. Step n's product S = K_n Q^T (64 keys x 128
 // rows, fp32) is one wgmma; the keys of step n+1 are copied by cp.async into the other of two buffers while
-// step n is reduced. Three CTAs share an SM, so one's exponentials run under another's product. A key's log2 energy L_J = m_J + log2(sum_r 2^(s_rJ - m_J)), m_J its maximum over the rows
-// that see it, goes to shared memory; the running maximum over the tile's keys is kept in registers.
+// step n is reduced. Three CTAs share an SM, so one's exponentials run under another's product. A key's log2
+// energy L_J = m_J + log2(sum_r 2^(s_rJ - m_J)), m_J its maximum over the rows that see it, goes to shared
+// memory; the running maximum over the tile's keys is kept in registers.
 // Only the last steps of a tile (keys some row does not see, or past the candidates) mask per logit.
 //
 // Pass 2 thresholds the energies (2^(L_J - max L) >= alpha), adds the forced blocks and writes one keep
@@ -31,21 +33,6 @@ __device__ __forceinline__ float fast_log2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-// 2^x for finite x <= 0 on the FMA pipe: x = j + f, j = round(x), 2^f by a degree-5 polynomial (relative
-// error about 2.4e-7, that of ex2.approx), j added to the exponent bits; x clamped at -120 (2^-120 next to a
-// key's largest term, 1, does not change its sum). The coefficients are those of fpv2.index's Triton pass.
-__device__ __forceinline__ float exp2_poly(float x) {
-  x = fmaxf(x, -120.0f);
-  const float t = x + 12582912.0f;
-  const float f = x - (t - 12582912.0f);
-  float p = fmaf(f, 0.0013276466634124517f, 0.009675541892647743f);
-  p = fmaf(p, f, 0.05550713464617729f);
-  p = fmaf(p, f, 0.24022120237350464f);
-  p = fmaf(p, f, 0.6931469440460205f);
-  p = fmaf(p, f, 1.0000001192092896f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
 // 16-byte cp.async of rows into a swizzled buffer, zero-filled when `valid` is false.
@@ -110,7 +97,7 @@ struct ScoreSelect {
   // One step's energies from its accumulator (keys x rows view): stored for the tile's candidates, folded
   // into the running maximum. kMasked: the logits of rows that do not see a key, and keys past the
   // candidates, are left out.
-  template <bool kMasked, bool kPoly, class AccRowsCols, class CoordRowsCols>
+  template <bool kMasked, class AccRowsCols, class CoordRowsCols>
   __device__ __forceinline__ static void reduce(AccRowsCols& s, CoordRowsCols const& coord, int first_key,
                                                 ScoreGeometry const& g, ScoreParams<Element> const& p,
                                                 float* energies, float& running_max) {
@@ -152,8 +139,7 @@ struct ScoreSelect {
       const float key_max = hopper::quad_max(m[i][0]);
       offset[i] = key_max == -INFINITY ? 0.0f : key_max;
     }
-    // Sums of 2^(s - max), four partial sums per key; with kPoly the top quarter of the rows through a
-    // polynomial on the FMA pipe (the multi-function unit takes one exponential per lane every 8 cycles).
+    // Sums of 2^(s - max), four partial sums per key.
     float sums[kKeys][4];
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) sums[i][0] = sums[i][1] = sums[i][2] = sums[i][3] = 0.0f;
@@ -162,7 +148,7 @@ struct ScoreSelect {
       CUTE_UNROLL
       for (int i = 0; i < kKeys; ++i) {
         const float x = s(i, j) - offset[i];
-        sums[i][j % 4] += (kPoly && j >= kCols * 3 / 4) ? exp2_poly(x) : hopper::fast_exp2(x);
+        sums[i][j % 4] += hopper::fast_exp2(x);
       }
     }
     CUTE_UNROLL
@@ -279,9 +265,9 @@ struct ScoreSelect {
           }
           const int first_key = n * Traits::kStepKeys;
           if (first_key + Traits::kStepKeys <= g.num_full) {
-            reduce<false, Traits::kPoly>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+            reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           } else {
-            reduce<true, Traits::kPoly>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+            reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           }
         }
       }

@@ -11,12 +11,10 @@ namespace fpv2::index {
 
 // One accumulator and two key buffers, three CTAs per SM: measured faster than two accumulators with the
 // product of step n+1 under step n's exponentials at two CTAs per SM (benchmarks/NOTES.md, 2026-12-04).
-// kPoly: a quarter of the exponentials by a polynomial on the FMA pipe (score_select_kernel.hpp).
-template <class Element_, int kHeadDim_, bool kPoly_ = false>
+template <class Element_, int kHeadDim_>
 struct ScoreTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kPoly = kPoly_;
   static constexpr int kCtasPerSm = 3;
   static constexpr int kTileRows = 128;  // packed query rows of a tile (FPV2_KERNEL_TILE_SIZE)
   static constexpr int kStepKeys = 64;   // pooled keys per step (the wgmma's M)
