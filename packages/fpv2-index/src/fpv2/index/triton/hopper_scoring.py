@@ -8,8 +8,8 @@ Hopper kernel wherever it serves the call (an sm_90 GPU, a library built with th
 queries, head dims 64 and 128, 128-row tiles, every row scored, at most 16384 key blocks per request) and
 the Triton pass elsewhere; ``hopper`` requires the kernel and raises where it cannot serve.
 
-The Triton pass stays the default because it is faster on the H200: 1.55 against 1.91 ms at 128K, 0.17
-against 0.23 ms at 32K, 6.27 against 7.58 ms at 4 x 128K (scoring kernel alone, identical indexes;
+The Triton pass stays the default because it is faster on the H200: 1.54 against 1.84 ms at 128K, 0.17
+against 0.21 ms at 32K, 6.25 against 7.30 ms at 4 x 128K (scoring kernel alone, identical indexes;
 ``benchmarks/NOTES.md``, 2026-12-04).
 """
 
