@@ -106,6 +106,19 @@ if [ "$PART" = last ]; then
   (cd "$RESULTS" && tar czf bench-vllm-nhd.tgz bench-vllm-nhd-* && rm -rf bench-vllm-nhd-*)
 fi
 
+if [ "$PART" = copies ]; then
+  # The key copies from one shared-memory base per thread and fixed pass / buffer offsets (the SASS census of the
+  # step loop: the copy's address arithmetic was about 150 of the step's instructions). Prediction: 1.84 -> 1.6-1.7 ms.
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
+    --out "$RESULTS/hopper-scoring-speed-copies.json" > "$LOGS/speed.log" 2>&1
+  echo "speed: rc=$?"
+  grep '^{' "$LOGS/speed.log" | python3 -c "import json,sys
+for l in sys.stdin:
+    r=json.loads(l); k=r['kernels_us']
+    print(r['B'], r['L'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

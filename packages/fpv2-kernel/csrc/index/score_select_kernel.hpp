@@ -21,6 +21,7 @@
 
 #include "hopper/fragment_layouts.hpp"
 #include "hopper/online_softmax.hpp"
+#include "hopper/shared_copy.hpp"
 #include "hopper/warpgroup_gemm.hpp"
 #include "index/score_params.hpp"
 #include "index/score_tile.hpp"
@@ -58,6 +59,8 @@ struct ScoreSelect {
   using Element = typename Traits::Element;
   static constexpr int kChunks = Traits::kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
   static constexpr int kRowsPerPass = Traits::kThreads / kChunks;
+  static constexpr int kChunkElements = 16 / int(sizeof(Element));
+  static_assert(kRowsPerPass % 8 == 0, "a pass covers whole 8-row swizzle atoms");
 
   // The tile's packed rows: row r is position r / g of query head h g + r % g (PackGQA).
   template <class SmemQ>
@@ -78,19 +81,33 @@ struct ScoreSelect {
     }
   }
 
-  // Keys step*64 .. step*64 + 63 of the tile into buffer `stage` (zeros past the candidates).
-  template <class SmemKeys>
-  __device__ static void issue_keys(SmemKeys& sK, Element const* head_keys, int64_t block_stride, int step,
-                                    int num_candidates, int stage) {
+  // This thread's 16-byte chunk of the first key row it copies, as a shared-memory byte address in buffer 0.
+  // Its other rows (kRowsPerPass apart) and the other buffer are fixed offsets from it: the rows of a pass
+  // cover whole 8-row swizzle atoms, so every pass meets the same swizzle (checked by the host layout test).
+  __device__ static uint32_t key_copy_base(Element* keys) {
+    using Layout = typename Traits::SmemLayoutKeys;
     const int chunk = threadIdx.x % kChunks;
+    const int key = threadIdx.x / kChunks;
+    return uint32_t(cute::cast_smem_ptr_to_uint(keys)) +
+           uint32_t(hopper::smem_offset<Layout>(key, chunk * kChunkElements, 0)) * uint32_t(sizeof(Element));
+  }
+
+  // Keys step*64 .. step*64 + 63 of the tile into buffer `stage` (zeros past the candidates).
+  __device__ static void issue_keys(uint32_t copy_base, Element const* head_keys, int64_t block_stride, int step,
+                                    int num_candidates, int stage) {
+    using Layout = typename Traits::SmemLayoutKeys;
+    const int pass_bytes = (hopper::smem_offset<Layout>(kRowsPerPass, 0, 0) - hopper::smem_offset<Layout>(0, 0, 0)) *
+                           int(sizeof(Element));
+    const int stage_bytes =
+        (hopper::smem_offset<Layout>(0, 0, 1) - hopper::smem_offset<Layout>(0, 0, 0)) * int(sizeof(Element));
+    const int first = step * Traits::kStepKeys + int(threadIdx.x) / kChunks;
+    Element const* src = head_keys + int64_t(first) * block_stride + (threadIdx.x % kChunks) * kChunkElements;
+    const int64_t pass_stride = int64_t(kRowsPerPass) * block_stride;
+    const uint32_t dst = copy_base + uint32_t(stage * stage_bytes);
     CUTE_UNROLL
     for (int pass = 0; pass < Traits::kStepKeys / kRowsPerPass; ++pass) {
-      const int key = pass * kRowsPerPass + threadIdx.x / kChunks;
-      const int block = step * Traits::kStepKeys + key;
-      const bool valid = block < num_candidates;
-      Element const* src = valid ? head_keys + int64_t(block) * block_stride + chunk * (16 / int(sizeof(Element)))
-                                 : head_keys;
-      copy_chunk(src, &sK(key, chunk * (16 / int(sizeof(Element))), stage), valid);
+      const bool valid = first + pass * kRowsPerPass < num_candidates;
+      hopper::cp_async_16_zfill(dst + uint32_t(pass * pass_bytes), valid ? src + pass * pass_stride : head_keys, valid);
     }
   }
 
@@ -188,10 +205,11 @@ struct ScoreSelect {
     return w;
   }
 
-  template <class SmemQ, class SmemKeys>
-  __device__ static void issue_first_loads(SmemQ& sQ, SmemKeys& sK, ScoreParams<Element> const& p, Work const& w) {
+  template <class SmemQ>
+  __device__ static void issue_first_loads(SmemQ& sQ, uint32_t copy_base, ScoreParams<Element> const& p,
+                                           Work const& w) {
     issue_query(sQ, p, w.tile, w.geometry, w.head);
-    issue_keys(sK, head_keys_of(p, w), p.key_block_stride, 0, w.geometry.num_candidates, 0);
+    issue_keys(copy_base, head_keys_of(p, w), p.key_block_stride, 0, w.geometry.num_candidates, 0);
     cute::cp_async_fence();
   }
 
@@ -212,6 +230,7 @@ struct ScoreSelect {
     auto wg = mma.get_thread_slice(0);  // descriptors depend on the warpgroup only
     Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.keys), typename Traits::SmemLayoutKeys{});
+    const uint32_t copy_base = key_copy_base(smem.keys);
     Tensor tSrK = wg.partition_fragment_A(sK);  // (MMA, MMA_M, MMA_K, stages)
     Tensor tSrQ = wg.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K)
     using TileS = Shape<Int<Traits::kStepKeys>, Int<Traits::kTileRows>>;
@@ -225,7 +244,7 @@ struct ScoreSelect {
     int64_t work = blockIdx.x;
     if (work >= p.num_segments) return;
     Work w = locate(p, work, cached, smem.tile);
-    if (w.steps > 0) issue_first_loads(sQ, sK, p, w);
+    if (w.steps > 0) issue_first_loads(sQ, copy_base, p, w);
     while (true) {
       const ScoreGeometry& g = w.geometry;
       const int64_t next_work = work + gridDim.x;
@@ -235,7 +254,7 @@ struct ScoreSelect {
       auto prefetch_next = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         if (has_next) {
           next = locate(p, next_work, cached, smem.tile);
-          if (next.steps > 0) issue_first_loads(sQ, sK, p, next);
+          if (next.steps > 0) issue_first_loads(sQ, copy_base, p, next);
         }
       };
       float running_max = -INFINITY;
@@ -254,7 +273,7 @@ struct ScoreSelect {
           hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc);
           const bool last = n + 1 == w.steps;
           if (!last) {
-            issue_keys(sK, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
+            issue_keys(copy_base, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
             cute::cp_async_fence();
           }
           warpgroup_wait<0>();
