@@ -106,12 +106,12 @@ if [ "$PART" = last ]; then
   (cd "$RESULTS" && tar czf bench-vllm-nhd.tgz bench-vllm-nhd-* && rm -rf bench-vllm-nhd-*)
 fi
 
-if [ "$PART" = copies ]; then
+if [ "$PART" = copies ] || [ "$PART" = query ]; then
   # The key copies from one shared-memory base per thread and fixed pass / buffer offsets (the SASS census of the
   # step loop: the copy's address arithmetic was about 150 of the step's instructions). Prediction: 1.84 -> 1.6-1.7 ms.
   gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
   with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
-    --out "$RESULTS/hopper-scoring-speed-copies.json" > "$LOGS/speed.log" 2>&1
+    --out "$RESULTS/hopper-scoring-speed-$PART.json" > "$LOGS/speed.log" 2>&1
   echo "speed: rc=$?"
   grep '^{' "$LOGS/speed.log" | python3 -c "import json,sys
 for l in sys.stdin:

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -36,24 +35,6 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
-// 16-byte cp.async of rows into a swizzled buffer, zero-filled when `valid` is false.
-template <class Element>
-__device__ __forceinline__ void copy_chunk(Element const* src, Element* dst, bool valid) {
-  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<cute::uint128_t const*>(src),
-                                                              *reinterpret_cast<cute::uint128_t*>(dst), valid);
-}
-
-// m[0] = max(m[0 .. 2 kWidth - 1]) by halving steps of independent pairs (compile-time indices: the
-// values stay in registers).
-template <int kWidth>
-__device__ __forceinline__ void fold_max(float* m) {
-  if constexpr (kWidth >= 1) {
-    CUTE_UNROLL
-    for (int j = 0; j < kWidth; ++j) m[j] = fmaxf(m[j], m[j + kWidth]);
-    fold_max<kWidth / 2>(m);
-  }
-}
-
 template <class Traits>
 struct ScoreSelect {
   using Element = typename Traits::Element;
@@ -62,22 +43,37 @@ struct ScoreSelect {
   static constexpr int kChunkElements = 16 / int(sizeof(Element));
   static_assert(kRowsPerPass % 8 == 0, "a pass covers whole 8-row swizzle atoms");
 
-  // The tile's packed rows: row r is position r / g of query head h g + r % g (PackGQA).
+  // The tile's packed rows: row r is position r / g of query head h g + r % g (PackGQA). A thread copies one
+  // 16-byte chunk of rows r0, r0 + kRowsPerPass, ...: one division for r0, then the position and head advance
+  // by fixed steps; the shared-memory destinations are fixed offsets apart (whole swizzle atoms per pass).
   template <class SmemQ>
   __device__ static void issue_query(SmemQ& sQ, ScoreParams<Element> const& p, ScoreTile const& t,
                                      ScoreGeometry const& g, int head) {
+    using Layout = typename Traits::SmemLayoutQ;
     const int chunk = threadIdx.x % kChunks;
+    const int row0 = threadIdx.x / kChunks;
+    const int pass_bytes =
+        (hopper::smem_offset<Layout>(kRowsPerPass, 0) - hopper::smem_offset<Layout>(0, 0)) * int(sizeof(Element));
+    const uint32_t dst = uint32_t(cute::cast_smem_ptr_to_uint(&sQ(0, 0))) +
+                         uint32_t(hopper::smem_offset<Layout>(row0, chunk * kChunkElements)) * uint32_t(sizeof(Element));
+    const int packed0 = g.row_begin + row0;
+    int position = packed0 / p.group;
+    int member = packed0 - position * p.group;
+    const int position_step = kRowsPerPass / p.group;
+    const int member_step = kRowsPerPass - position_step * p.group;
+    Element const* base = p.q + int64_t(head) * p.group * p.q_head_stride + chunk * kChunkElements;
     CUTE_UNROLL
     for (int pass = 0; pass < Traits::kTileRows / kRowsPerPass; ++pass) {
-      const int row = pass * kRowsPerPass + threadIdx.x / kChunks;
-      const bool inside = row < g.num_rows;
-      Element const* src = p.q;
-      if (inside) {
-        const int packed = g.row_begin + row;
-        src = p.q + int64_t(t.q_start + packed / p.group) * p.q_token_stride +
-              int64_t(head * p.group + packed % p.group) * p.q_head_stride + chunk * 8;
+      const bool inside = row0 + pass * kRowsPerPass < g.num_rows;
+      Element const* src =
+          base + int64_t(t.q_start + position) * p.q_token_stride + int64_t(member) * p.q_head_stride;
+      hopper::cp_async_16_zfill(dst + uint32_t(pass * pass_bytes), inside ? src : p.q, inside);
+      position += position_step;
+      member += member_step;
+      if (member >= p.group) {
+        member -= p.group;
+        ++position;
       }
-      copy_chunk(src, &sQ(row, chunk * (16 / int(sizeof(Element)))), inside);
     }
   }
 
