@@ -35,6 +35,17 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// m[0] = max(m[0 .. 2 kWidth - 1]) by halving steps of independent pairs (compile-time indices: the
+// values stay in registers).
+template <int kWidth>
+__device__ __forceinline__ void fold_max(float* m) {
+  if constexpr (kWidth >= 1) {
+    CUTE_UNROLL
+    for (int j = 0; j < kWidth; ++j) m[j] = fmaxf(m[j], m[j + kWidth]);
+    fold_max<kWidth / 2>(m);
+  }
+}
+
 template <class Traits>
 struct ScoreSelect {
   using Element = typename Traits::Element;
