@@ -45,6 +45,7 @@
 #include "hopper/split_kv.hpp"
 #include "hopper/tile_geometry.hpp"
 #include "hopper/work_order.hpp"
+#include "index/score_traits.hpp"
 
 using namespace cute;
 
@@ -526,6 +527,37 @@ void check_work_order_rules() {
   std::printf("work order rules: checked\n");
 }
 
+// The index scoring kernel's copies (csrc/index/score_select_kernel.hpp): a thread copies one 16-byte chunk of
+// rows r0, r0 + R, ... (R = 128 threads / chunks per row) into the swizzled key buffers and Q tile, addressed as
+// its first chunk's offset plus pass * (offset of row R) plus buffer * (offset of buffer 1). That holds only while
+// a pass covers whole swizzle atoms: compared here with CuTe's offset of every (thread, pass, buffer).
+template <int kHeadDim>
+void check_score_copies() {
+  using Traits = fpv2::index::ScoreTraits<cutlass::bfloat16_t, kHeadDim>;
+  using Keys = typename Traits::SmemLayoutKeys;
+  using Q = typename Traits::SmemLayoutQ;
+  constexpr int kChunks = kHeadDim * 2 / 16;
+  constexpr int kRows = Traits::kThreads / kChunks;
+  const int key_pass = fpv2::hopper::smem_offset<Keys>(kRows, 0, 0) - fpv2::hopper::smem_offset<Keys>(0, 0, 0);
+  const int key_stage = fpv2::hopper::smem_offset<Keys>(0, 0, 1) - fpv2::hopper::smem_offset<Keys>(0, 0, 0);
+  const int q_pass = fpv2::hopper::smem_offset<Q>(kRows, 0) - fpv2::hopper::smem_offset<Q>(0, 0);
+  for (int t = 0; t < Traits::kThreads; ++t) {
+    const int chunk = t % kChunks, row0 = t / kChunks;
+    const int key_base = fpv2::hopper::smem_offset<Keys>(row0, chunk * 8, 0);
+    for (int pass = 0; pass < Traits::kStepKeys / kRows; ++pass) {
+      for (int stage = 0; stage < Traits::kStages; ++stage) {
+        const int want = fpv2::hopper::smem_offset<Keys>(row0 + pass * kRows, chunk * 8, stage);
+        expect(want == key_base + pass * key_pass + stage * key_stage, "score key copy offset", t, pass, stage);
+      }
+    }
+    const int q_base = fpv2::hopper::smem_offset<Q>(row0, chunk * 8);
+    for (int pass = 0; pass < Traits::kTileRows / kRows; ++pass) {
+      const int want = fpv2::hopper::smem_offset<Q>(row0 + pass * kRows, chunk * 8);
+      expect(want == q_base + pass * q_pass, "score query copy offset", t, pass);
+    }
+  }
+}
+
 using Check = void (*)();
 struct NamedCheck {
   const char* name;
@@ -599,6 +631,9 @@ int main() {
                         {"persistent tile order", check_persistent_order},
                         {"split-KV count and workspace", check_split_kv_rules},
                         {"work order buckets and workspace", check_work_order_rules}});
+  failed += run_checks("--- index scoring kernel",
+                       {{"key and query copy offsets, d=64", check_score_copies<64>},
+                        {"key and query copy offsets, d=128", check_score_copies<128>}});
   std::printf("layout check: %s (%d failed check(s))\n", failed ? "FAIL" : "PASS", failed);
   return failed ? 1 : 0;
 }

@@ -8,9 +8,10 @@ Hopper kernel wherever it serves the call (an sm_90 GPU, a library built with th
 queries, head dims 64 and 128, 128-row tiles, every row scored, at most 16384 key blocks per request) and
 the Triton pass elsewhere; ``hopper`` requires the kernel and raises where it cannot serve.
 
-The Triton pass stays the default because it is faster on the H200: 1.54 against 1.84 ms at 128K, 0.17
-against 0.21 ms at 32K, 6.25 against 7.30 ms at 4 x 128K (scoring kernel alone, identical indexes;
-``benchmarks/NOTES.md``, 2026-12-04).
+The Triton pass stays the default: on the H200 the two kernels now take the same GPU time (scoring kernel
+alone, identical indexes: 1.550 against 1.544 ms at 128K, 0.168 against 0.174 ms at 32K, 6.24 against 6.27 ms at
+4 x 128K), and the Hopper path adds a prefix-sum launch (17 us at 128K) and more host time per call
+(``benchmarks/NOTES.md``, 2026-12-04).
 """
 
 from __future__ import annotations
