@@ -2,7 +2,8 @@
 # PART, BIN, OUT (default fpv2-results/NAME) and LOGS (a temporary folder packed into $OUT/NAME-PART.tgz on exit,
 # also when the call's time limit stops the script part-way); with_packages runs a command with the packages'
 # sources and the library in $BIN (nothing of the project is installed on the device); bench_row runs one fpv2 bench
-# row of the planted pipeline into $RESULTS (set by the script); summary reads a native timing log.
+# row of the planted pipeline into $RESULTS (set by the script); gpu_tests runs pytest into $LOGS; summary reads a
+# native timing log.
 device_run_start() {
   ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
   cd "$ROOT" || exit 1
@@ -35,4 +36,13 @@ bench_row() {
 summary() {
   grep "^\[" "$1" | grep -E "sparse |corrected |dense " | sed -E 's/ max\|err.*//; s/.*bf16 causal //; s/over 10 runs//' |
     cut -c1-120
+}
+
+# GPU tests into $LOGS/pytest-NAME.log, the summary line and the failures printed: gpu_tests NAME LIMIT PYTEST_ARG...
+gpu_tests() {
+  local name="$1" limit="$2"
+  shift 2
+  with_packages timeout "$limit" python3 -m pytest -p no:cacheprovider -q "$@" > "$LOGS/pytest-$name.log" 2>&1
+  echo "GPU tests ($name): rc=$? $(tail -1 "$LOGS/pytest-$name.log")"
+  grep -E "^FAILED|^E " "$LOGS/pytest-$name.log" | head -20 | cut -c1-300
 }

@@ -27,12 +27,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start hopper-scoring "${1:-all}" "${SCORE_BIN:-.carry/head}"
 RESULTS="$OUT"
 
-gpu_tests() {
-  local name="$1" limit="$2"
-  shift 2
-  with_packages timeout "$limit" python3 -m pytest -p no:cacheprovider -q "$@" > "$LOGS/pytest-$name.log" 2>&1
-  echo "GPU tests ($name): rc=$? $(tail -1 "$LOGS/pytest-$name.log")"
-  grep -E "^FAILED|^E " "$LOGS/pytest-$name.log" | head -20 | cut -c1-300
+# benchmarks/hopper_scoring_speed.py at 32K, 128K and 4 x 128K into $RESULTS/hopper-scoring-speed-NAME.json, its
+# one-line summaries printed: speed_table NAME
+speed_table() {
+  with_packages timeout 240 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
+    --out "$RESULTS/hopper-scoring-speed-$1.json" > "$LOGS/speed-$1.log" 2>&1
+  echo "speed $1: rc=$?"
+  grep -E "^[0-9]+ x " "$LOGS/speed-$1.log" | cut -c1-400
 }
 
 if [ "$PART" = all ]; then
@@ -41,10 +42,7 @@ if [ "$PART" = all ]; then
   gpu_tests index 300 packages/fpv2-index/tests/test_triton_index.py packages/fpv2-index/tests/test_index_api.py \
     -m gpu
   gpu_tests native 120 packages/fpv2-kernel/tests/test_native_abi.py
-  with_packages timeout 240 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
-    --out "$RESULTS/hopper-scoring-speed.json" > "$LOGS/speed.log" 2>&1
-  echo "speed: rc=$?"
-  tail -4 "$LOGS/speed.log" | cut -c1-600
+  speed_table first
 fi
 
 if [ "$PART" = final ]; then
@@ -55,13 +53,7 @@ if [ "$PART" = final ]; then
   FPV2_INDEX_SCORING=auto gpu_tests index-auto 300 packages/fpv2-index/tests/test_triton_index.py \
     packages/fpv2-index/tests/test_index_api.py packages/fpv2-index/tests/test_triton_index_variants.py -m gpu
   gpu_tests native 120 packages/fpv2-kernel/tests/test_native_abi.py packages/fpv2-kernel/tests/test_native_score_abi.py
-  with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
-    --out "$RESULTS/hopper-scoring-speed.json" > "$LOGS/speed.log" 2>&1
-  echo "speed: rc=$?"
-  grep '^{' "$LOGS/speed.log" | python3 -c "import json,sys
-for l in sys.stdin:
-    r=json.loads(l); k=r['kernels_us']
-    print(r['B'], r['L'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+  speed_table final
   for L in 131072 32768; do
     bench_row 1 "$L" "bench-vllm-nhd-$L" 120 --page-size 16 --cache-layout vllm --backend hopper
   done
@@ -78,13 +70,7 @@ if [ "$PART" = persist ]; then
   gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
   FPV2_INDEX_SCORING=auto gpu_tests index-auto 300 packages/fpv2-index/tests/test_triton_index.py \
     packages/fpv2-index/tests/test_index_api.py -m gpu
-  with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
-    --out "$RESULTS/hopper-scoring-speed-persistent.json" > "$LOGS/speed.log" 2>&1
-  echo "speed: rc=$?"
-  grep '^{' "$LOGS/speed.log" | python3 -c "import json,sys
-for l in sys.stdin:
-    r=json.loads(l); k=r['kernels_us']
-    print(r['B'], r['L'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+  speed_table persistent
   FPV2_INDEX_SCORING=hopper with_packages timeout 200 ncu --kernel-name-base demangled \
     --kernel-name regex:index::score_select --launch-skip 2 --launch-count 1 --section SpeedOfLight \
     --section Occupancy --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
@@ -110,13 +96,20 @@ if [ "$PART" = copies ] || [ "$PART" = query ]; then
   # The key copies from one shared-memory base per thread and fixed pass / buffer offsets (the SASS census of the
   # step loop: the copy's address arithmetic was about 150 of the step's instructions). Prediction: 1.84 -> 1.6-1.7 ms.
   gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  with_packages timeout 200 python3 benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 \
-    --out "$RESULTS/hopper-scoring-speed-$PART.json" > "$LOGS/speed.log" 2>&1
-  echo "speed: rc=$?"
-  grep '^{' "$LOGS/speed.log" | python3 -c "import json,sys
-for l in sys.stdin:
-    r=json.loads(l); k=r['kernels_us']
-    print(r['B'], r['L'], 'select', r['select_ms'], 'differ', r['differing_pairs'], {m: {n[:40]: v for n, v in k[m].items()} for m in k})"
+  speed_table "$PART"
+fi
+
+if [ "$PART" = review ]; then
+  # After the review mends (one launch-preparation cache per device; the index's Hopper branch no longer sizes the
+  # Triton grid): the tests, the speed table, and compute-sanitizer memcheck and racecheck of the scoring kernels.
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  gpu_tests native 120 packages/fpv2-kernel/tests/test_native_abi.py packages/fpv2-kernel/tests/test_native_score_abi.py
+  speed_table review
+  for tool in memcheck racecheck; do
+    with_packages timeout 150 compute-sanitizer --tool "$tool" --kernel-name kns=score \
+      python3 benchmarks/hopper_scoring_sanitize.py > "$RESULTS/sanitizer-$tool.txt" 2>&1
+    echo "compute-sanitizer $tool: rc=$? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|scored" "$RESULTS/sanitizer-$tool.txt" | tr '\n' ' ')"
+  done
 fi
 
 if [ "$PART" = bench ]; then

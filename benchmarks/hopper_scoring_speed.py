@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from fpv2.index.config import SelectionConfig
 from fpv2.index.triton import IndexWorkspace, pool_blocks_triton, select_blocks_triton
 from fpv2.index.triton.hopper_scoring import SCORING_ENV
 from fpv2.kernel.testing import planted_workload
+from fpv2.serving.environment import git_commit, gpu_name
 from fpv2.serving.timing import median, timed_samples
 
 MODES = ("triton", "hopper")
@@ -79,11 +79,13 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
+def summary(result: dict) -> str:
+    """One line per row: the select call's medians and each mode's kernel times (names cut to 40 characters)."""
+    kernels = {mode: {name[:40]: us for name, us in times.items()} for mode, times in result["kernels_us"].items()}
+    return (
+        f"{result['B']} x {result['L']}: select {result['select_ms']}, differing pairs {result['differing_pairs']}, "
+        f"kernels {kernels}"
+    )
 
 
 def main() -> None:
@@ -99,9 +101,9 @@ def main() -> None:
     for shape in args.shapes:
         batch, length = (int(x) for x in shape.lower().split("x"))
         result = row(batch, length, args.repeats, args.alpha, device, profile=not args.no_kernel_times)
-        result.update(gpu=torch.cuda.get_device_name(device), commit=_commit())
+        result.update(gpu=gpu_name(device), commit=git_commit())
         rows.append(result)
-        print(json.dumps(result), flush=True)
+        print(summary(result), flush=True)
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps(rows, indent=1))
 

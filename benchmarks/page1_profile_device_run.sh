@@ -51,15 +51,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start page1-profile "${1:-all}" "${REPACK_BIN:-.carry/head}"
 RESULTS="$OUT"
 
-# GPU tests into $LOGS/pytest-NAME.log, the summary line and the failures printed: gpu_tests NAME LIMIT PYTEST_ARG...
-gpu_tests() {
-  local name="$1" limit="$2"
-  shift 2
-  with_packages timeout "$limit" python3 -m pytest -p no:cacheprovider -q "$@" > "$LOGS/pytest-$name.log" 2>&1
-  echo "GPU tests ($name): rc=$? $(tail -1 "$LOGS/pytest-$name.log")"
-  grep -E "^FAILED|^E " "$LOGS/pytest-$name.log" | head -20 | cut -c1-300
-}
-
 if [ "$PART" = routing ]; then
   # Prediction: the copy moves the page-1 sparse curve down at 16K-32K (32K 3.26 -> ~2.2 ms, the bench's figure)
   # and the dense curve (its own dense mode, also copied) 18.7 -> ~12.5 ms at 32K; the switch point stays near 9K.

@@ -2,7 +2,6 @@
 #include "index/launch_score.hpp"
 
 #include <algorithm>
-#include <atomic>
 
 #include <cutlass/numeric_types.h>
 
@@ -49,10 +48,12 @@ int32_t cuda_failure(cudaError_t error, const char* what) {
                                                       cudaGetErrorName(error), cudaGetErrorString(error)));
 }
 
-// CTAs of `kernel` resident per SM at `smem` bytes (the persistent grid's width), remembered per (device,
-// kernel, smem): the occupancy query costs host time on every call otherwise.
+// Prepares `kernel` for a launch with `smem` bytes of dynamic shared memory on `device` and returns how many of
+// its CTAs an SM holds then (the persistent grid's width). The shared-memory attribute is set to the most any call
+// can ask for (`max_smem`, the same value from every thread: no call lowers it under another), once per device
+// and thread with the occupancy query; both are remembered for the last (kernel, smem, device).
 template <class Kernel>
-int32_t resident_ctas(Kernel kernel, int threads, size_t smem, int device, int* ctas) {
+int32_t prepare_launch(Kernel kernel, int threads, size_t smem, size_t max_smem, int device, int* ctas) {
   struct Entry {
     const void* kernel;
     size_t smem;
@@ -65,8 +66,10 @@ int32_t resident_ctas(Kernel kernel, int threads, size_t smem, int device, int* 
     *ctas = last.ctas;
     return FPV2_OK;
   }
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_smem));
+  if (e != cudaSuccess) return cuda_failure(e, "cudaFuncSetAttribute");
   int blocks = 0;
-  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem);
   if (e != cudaSuccess) return cuda_failure(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   *ctas = blocks > 0 ? blocks : 1;
   last = Entry{key, smem, device, *ctas};
@@ -78,18 +81,12 @@ int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int devic
   using Traits = ScoreTraits<Element, kHeadDim>;
   const ScoreParams<Element> p = make_params<Element>(args);
   if (p.num_segments > 0) {
-    const size_t energies = size_t(args.max_blocks > 0 ? args.max_blocks : 1) * sizeof(float);
-    const size_t smem = sizeof(ScoreSharedStorage<Traits>) + energies + 1024;
-    // The attribute is per function and process-wide: raise it only when a call needs more than before.
-    static std::atomic<size_t> granted{0};
-    if (smem > granted.load(std::memory_order_relaxed)) {
-      cudaError_t e = cudaFuncSetAttribute(score_select_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(smem));
-      if (e != cudaSuccess) return cuda_failure(e, "cudaFuncSetAttribute");
-      granted.store(smem, std::memory_order_relaxed);
-    }
+    // The storage, the tile's energies (one float per key block of the longest request) and the alignment slack.
+    auto smem_for = [](size_t blocks) { return sizeof(ScoreSharedStorage<Traits>) + blocks * sizeof(float) + 1024; };
+    const size_t smem = smem_for(size_t(args.max_blocks > 0 ? args.max_blocks : 1));
     int ctas_per_sm = 0;
-    FPV2_RETURN_IF_ERROR(resident_ctas(score_select_kernel<Traits>, Traits::kThreads, smem, device, &ctas_per_sm));
+    FPV2_RETURN_IF_ERROR(prepare_launch(score_select_kernel<Traits>, Traits::kThreads, smem,
+                                        smem_for(Traits::kMaxBlocks), device, &ctas_per_sm));
     const int64_t ctas = std::min<int64_t>(p.num_segments, int64_t(ctas_per_sm) * sm_count);
     score_select_kernel<Traits><<<dim3(unsigned(ctas)), dim3(Traits::kThreads), smem, stream>>>(p);
     cudaError_t e = cudaGetLastError();

@@ -400,42 +400,14 @@ def select_blocks_triton(
     keys = matching_keys(statistics, scale_log2, kind)
     if keys is None:
         keys = launch_prepare_keys(statistics.pooled_k, scale_log2, kind)
-    # Read once: the work split, the grid, the workspace and the launch must agree.
-    knobs = tuning.SCORE.for_call(
-        max_blocks, score_rows(tile_size, config.probe_stride), tile_size, head_dim=statistics.head_dim
-    )
-    total_units = num_units(tiles, knobs.tiles_per_program)
-    num_programs = workspace.num_programs(
-        heads * total_units, device, score_rows(tile_size, config.probe_stride), statistics.head_dim
-    )
-    views = workspace.reserve(
-        num_programs=num_programs,
-        max_blocks=max_blocks,
-        num_segments=num_segments,
-        device=device,
-        tiles_per_program=knobs.tiles_per_program,
-    )
     if use_hopper_scoring(q, config, statistics.head_dim, max_blocks, q_descale is not None):
-        from fpv2.kernel._native.score import ScoreRule, score_blocks
-
-        rule = ScoreRule(
-            alpha=float(config.alpha),
-            block_size=block_size,
-            sink_blocks=-(-config.sink_tokens // block_size),
-            window_tokens=config.window_tokens,
-            dense_tail_tiles=config.dense_tail_tiles,
-            min_sparse_kv_len=config.min_sparse_kv_len,
-        )
-        score_blocks(
-            q, keys, cu_seqlens_q=batch.cu_seqlens_q, seqlens_k=batch.seqlens_k,
-            block_offsets=statistics.block_offsets, tile_offsets=tile_offsets, offsets=offsets,
-            counts=views.counts, keep_bits=views.keep_bits, num_tiles=sum(tiles), max_blocks=max_blocks,
-            rule=rule, tile_size=tile_size,
-        )  # fmt: skip
+        # One energies row: the Hopper kernel keeps its energies in shared memory.
+        views = workspace.reserve(num_programs=1, max_blocks=max_blocks, num_segments=num_segments, device=device)
+        _launch_hopper_scoring(q, keys, batch, statistics, tile_offsets, offsets, views, sum(tiles), max_blocks, config)
     else:
-        _launch_triton_scoring(
-            q, keys, q_descale, batch, statistics, tile_offsets, offsets, views, workspace, total_units,
-            num_programs, group, config, kind, interpret, knobs,
+        views = _launch_triton_scoring(
+            q, keys, q_descale, batch, statistics, tile_offsets, offsets, workspace, tiles, max_blocks, group,
+            config, kind, interpret,
         )  # fmt: skip
     if exact_nnz:
         blocks = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)  # the one documented sync
@@ -443,6 +415,36 @@ def select_blocks_triton(
         blocks = outs[2]
     launch_compact(views.keep_bits, offsets, blocks)
     return BlockIndex(offsets, blocks, tile_offsets, heads, group, tile_size, block_size, check_values=False)
+
+
+def _launch_hopper_scoring(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    batch: PagedPrefillBatch,
+    statistics: BlockStatistics,
+    tile_offsets: torch.Tensor,
+    offsets: torch.Tensor,
+    views: WorkspaceViews,
+    num_tiles: int,
+    max_blocks: int,
+    config: SelectionConfig,
+) -> None:
+    """The kernel library's wgmma scoring of one call (:mod:`.hopper_scoring`): keep bits, counts and offsets."""
+    from fpv2.kernel._native.score import ScoreRule, score_blocks
+
+    rule = ScoreRule(
+        alpha=float(config.alpha),
+        block_size=config.block_size,
+        sink_blocks=-(-config.sink_tokens // config.block_size),
+        window_tokens=config.window_tokens,
+        dense_tail_tiles=config.dense_tail_tiles,
+        min_sparse_kv_len=config.min_sparse_kv_len,
+    )
+    score_blocks(
+        q, keys, cu_seqlens_q=batch.cu_seqlens_q, seqlens_k=batch.seqlens_k, block_offsets=statistics.block_offsets,
+        tile_offsets=tile_offsets, offsets=offsets, counts=views.counts, keep_bits=views.keep_bits,
+        num_tiles=num_tiles, max_blocks=max_blocks, rule=rule, tile_size=config.tile_size,
+    )  # fmt: skip
 
 
 def _launch_triton_scoring(
@@ -453,17 +455,28 @@ def _launch_triton_scoring(
     statistics: BlockStatistics,
     tile_offsets: torch.Tensor,
     offsets: torch.Tensor,
-    views: WorkspaceViews,
     workspace: IndexWorkspace,
-    total_units: int,
-    num_programs: int,
+    tiles: list[int],
+    max_blocks: int,
     group: int,
     config: SelectionConfig,
     kind: int,
     interpret: bool,
-    knobs: tuning.ScoreTuning,
-) -> None:
-    """The fused Triton scoring/selection pass of one call (:mod:`.scoring`)."""
+) -> WorkspaceViews:
+    """The fused Triton scoring/selection pass of one call (:mod:`.scoring`); returns the workspace views it wrote."""
+    heads, tile_size = statistics.num_kv_heads, config.tile_size
+    rows = score_rows(tile_size, config.probe_stride)
+    # Read once: the work split, the grid, the workspace and the launch must agree.
+    knobs = tuning.SCORE.for_call(max_blocks, rows, tile_size, head_dim=statistics.head_dim)
+    total_units = num_units(tiles, knobs.tiles_per_program)
+    num_programs = workspace.num_programs(heads * total_units, batch.device, rows, statistics.head_dim)
+    views = workspace.reserve(
+        num_programs=num_programs,
+        max_blocks=max_blocks,
+        num_segments=heads * sum(tiles),
+        device=batch.device,
+        tiles_per_program=knobs.tiles_per_program,
+    )
     try:
         launch_score_select(
             q,
@@ -493,3 +506,4 @@ def _launch_triton_scoring(
     except BaseException:
         workspace.reset_counter()  # a kernel that stopped part way may have left the counter counting
         raise
+    return views

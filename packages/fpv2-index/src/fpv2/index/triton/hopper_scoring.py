@@ -43,11 +43,8 @@ def scoring_mode() -> str:
 @functools.cache
 def _library_reason(device_index: int) -> str | None:
     """Why the kernel library cannot score on this device (None: it can). Cached per device."""
-    try:
-        from fpv2.kernel._native import hopper_available
-        from fpv2.kernel._native.score import SCORE_MAX_BLOCKS  # noqa: F401  (the binding speaks ABI 1.4)
-    except ImportError as exc:  # pragma: no cover - an fpv2-kernel without the binding
-        return f"fpv2.kernel's native binding is missing ({exc})"
+    from fpv2.kernel._native import hopper_available
+
     ok, reason = hopper_available()
     if not ok:
         return reason
