@@ -24,6 +24,9 @@ struct ScoreTile {
 template <class Params>
 __device__ __forceinline__ ScoreTile find_tile(Params const& p, int64_t unit, int tile_rows, int32_t* slots) {
   const int lane = threadIdx.x % 32;
+  // Every thread has read the previous lookup's slots: two lookups can follow each other with no other barrier
+  // (a dense tile, which has no steps, then the next request; compute-sanitizer racecheck found it).
+  __syncthreads();
   if (threadIdx.x < 32) {
     int64_t before = 0;  // tiles of the requests before this step's
     for (int b0 = 0; b0 < p.num_requests; b0 += 32) {
