@@ -112,6 +112,20 @@ if [ "$PART" = review ]; then
   done
 fi
 
+if [ "$PART" = shift ]; then
+  # Unmasked steps after a tile's first take the thread's running maximum as every key's offset (no maximum
+  # tree and quad exchange before the exponentials; 306 -> 238 instructions in the step's reduction, about
+  # 500 -> 430 a step with the copies and the product). Prediction: 128K 1.55 -> 1.35-1.45 ms, 32K 0.171 ->
+  # 0.150-0.160, 4 x 128K 6.2 -> 5.4-5.8; 0 differing pairs. Then compute-sanitizer on the new path.
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  speed_table shift
+  for tool in memcheck racecheck; do
+    with_packages timeout 150 compute-sanitizer --tool "$tool" --kernel-name kns=score \
+      python3 benchmarks/hopper_scoring_sanitize.py > "$RESULTS/sanitizer-$tool.txt" 2>&1
+    echo "compute-sanitizer $tool: rc=$? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|scored" "$RESULTS/sanitizer-$tool.txt" | tr '\n' ' ')"
+  done
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

@@ -186,6 +186,45 @@ struct ScoreSelect {
     }
   }
 
+  // An unmasked step's energies with the thread's running maximum as every key's offset instead of the key's
+  // own maximum over the rows: no maximum tree and quad exchange before the exponentials. The running maximum
+  // is the same in the four lanes that share a key (each lane folds in the same quad-reduced energies), so
+  // their sums add up. Exact where no 2^(s - offset) overflows (s above the offset by 128 or more, in log2
+  // units); a warp that meets one redoes the step with each key's own maximum (returns false: the caller
+  // calls reduce). Sums flushed to zero (every s of a key 126 below the offset) give -inf: that key's energy
+  // is below 2^-119 of the tile's peak, which no alpha in (2^-119, 1] keeps, as with the exact offsets.
+  template <class AccRowsCols, class CoordRowsCols>
+  __device__ __forceinline__ static bool reduce_shifted(AccRowsCols& s, CoordRowsCols const& coord, int first_key,
+                                                        float* energies, float& running_max) {
+    using namespace cute;
+    constexpr int kKeys = decltype(size<0>(s))::value;
+    constexpr int kCols = decltype(size<1>(s))::value;
+    const float offset = running_max;
+    float sums[kKeys][4];
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) sums[i][0] = sums[i][1] = sums[i][2] = sums[i][3] = 0.0f;
+    CUTE_UNROLL
+    for (int j = 0; j < kCols; ++j) {
+      CUTE_UNROLL
+      for (int i = 0; i < kKeys; ++i) sums[i][j % 4] += hopper::fast_exp2(s(i, j) - offset);
+    }
+    float total[kKeys];
+    bool overflow = false;
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      total[i] = hopper::quad_sum((sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]));
+      overflow |= total[i] == INFINITY;
+    }
+    if (__any_sync(0xffffffffu, overflow)) return false;
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      const float energy = offset + fast_log2(total[i]);
+      if (threadIdx.x % 4 == 0) energies[first_key + int(get<0>(coord(i, 0)))] = energy;
+      running_max = fmaxf(running_max, energy);
+    }
+    return true;
+  }
+
   // One tile's geometry and where its keys start, for the walk and for the prefetch of its first loads.
   struct Work {
     ScoreTile tile;
@@ -291,7 +330,10 @@ struct ScoreSelect {
           }
           const int first_key = n * Traits::kStepKeys;
           if (first_key + Traits::kStepKeys <= g.num_full) {
-            reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+            // The running maximum is an offset once a step has set it (the first step of a tile has none).
+            if (n == 0 || !reduce_shifted(acc_rc, cS_rc, first_key, energies, running_max)) {
+              reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
+            }
           } else {
             reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           }
