@@ -18,6 +18,11 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_address, void co
                : "memory");
 }
 
+// The same 16-byte copy with no bounds predicate, for rows known to lie inside the source.
+__device__ __forceinline__ void cp_async_16(uint32_t smem_address, void const* src) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem_address), "l"(src) : "memory");
+}
+
 // The lane index and the warp's index within its warpgroup, read with volatile instructions so that the
 // compiler re-reads them at each use instead of keeping them (and what is derived from them) live in
 // registers: the gather producer runs in 24 registers.

@@ -99,7 +99,10 @@ struct ScoreSelect {
            uint32_t(hopper::smem_offset<Layout>(key, chunk * kChunkElements, 0)) * uint32_t(sizeof(Element));
   }
 
-  // Keys step*64 .. step*64 + 63 of the tile into buffer `stage` (zeros past the candidates).
+  // Keys step*64 .. step*64 + 63 of the tile into buffer `stage` (zeros past the candidates). kCheck: some of
+  // the step's keys may lie past the candidates (the tile's last step); the other steps copy with no predicate
+  // and one 64-bit add a row (the SASS of the checked copies: about 11 integer instructions each).
+  template <bool kCheck>
   __device__ static void issue_keys(uint32_t copy_base, Element const* head_keys, int64_t block_stride, int step,
                                     int num_candidates, int stage) {
     using Layout = typename Traits::SmemLayoutKeys;
@@ -108,13 +111,30 @@ struct ScoreSelect {
     const int stage_bytes =
         (hopper::smem_offset<Layout>(0, 0, 1) - hopper::smem_offset<Layout>(0, 0, 0)) * int(sizeof(Element));
     const int first = step * Traits::kStepKeys + int(threadIdx.x) / kChunks;
-    Element const* src = head_keys + int64_t(first) * block_stride + (threadIdx.x % kChunks) * kChunkElements;
-    const int64_t pass_stride = int64_t(kRowsPerPass) * block_stride;
+    char const* src = reinterpret_cast<char const*>(head_keys + int64_t(first) * block_stride +
+                                                    (threadIdx.x % kChunks) * kChunkElements);
+    const int64_t pass_stride = int64_t(kRowsPerPass) * block_stride * int64_t(sizeof(Element));
     const uint32_t dst = copy_base + uint32_t(stage * stage_bytes);
     CUTE_UNROLL
     for (int pass = 0; pass < Traits::kStepKeys / kRowsPerPass; ++pass) {
-      const bool valid = first + pass * kRowsPerPass < num_candidates;
-      hopper::cp_async_16_zfill(dst + uint32_t(pass * pass_bytes), valid ? src + pass * pass_stride : head_keys, valid);
+      if constexpr (kCheck) {
+        const bool valid = first + pass * kRowsPerPass < num_candidates;
+        hopper::cp_async_16_zfill(dst + uint32_t(pass * pass_bytes), valid ? src : reinterpret_cast<char const*>(head_keys),
+                                  valid);
+      } else {
+        hopper::cp_async_16(dst + uint32_t(pass * pass_bytes), src);
+      }
+      src += pass_stride;
+    }
+  }
+
+  // Keys of step `step`: unchecked copies when every key of the step is a candidate.
+  __device__ static void issue_step_keys(uint32_t copy_base, Element const* head_keys, int64_t block_stride,
+                                         int step, int num_candidates, int stage) {
+    if ((step + 1) * Traits::kStepKeys <= num_candidates) {
+      issue_keys<false>(copy_base, head_keys, block_stride, step, num_candidates, stage);
+    } else {
+      issue_keys<true>(copy_base, head_keys, block_stride, step, num_candidates, stage);
     }
   }
 
@@ -255,7 +275,7 @@ struct ScoreSelect {
   __device__ static void issue_first_loads(SmemQ& sQ, uint32_t copy_base, ScoreParams<Element> const& p,
                                            Work const& w) {
     issue_query(sQ, p, w.tile, w.geometry, w.head);
-    issue_keys(copy_base, head_keys_of(p, w), p.key_block_stride, 0, w.geometry.num_candidates, 0);
+    issue_step_keys(copy_base, head_keys_of(p, w), p.key_block_stride, 0, w.geometry.num_candidates, 0);
     cute::cp_async_fence();
   }
 
@@ -319,7 +339,7 @@ struct ScoreSelect {
           hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc);
           const bool last = n + 1 == w.steps;
           if (!last) {
-            issue_keys(copy_base, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
+            issue_step_keys(copy_base, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
             cute::cp_async_fence();
           }
           warpgroup_wait<0>();
