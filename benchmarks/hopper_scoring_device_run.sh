@@ -138,6 +138,20 @@ if [ "$PART" = unchecked ]; then
   sanitize_scoring
 fi
 
+if [ "$PART" = pipeline ]; then
+  # The corrected pipeline (Hopper backend, page 1) with each scoring pass, alternating in one process
+  # (hopper_scoring_speed.py --pipeline), then fpv2 bench with the Hopper scoring at 128K and 4 x 128K. Prediction
+  # (the kernel 95 us faster at 128K, 420 us at 4 x 128K, plus the 17 / 65 us prefix-sum launch): 128K -0.05 to
+  # -0.1 ms, 4 x 128K -0.3 to -0.4 ms, 32K within +-0.02 ms.
+  gpu_tests native 120 packages/fpv2-kernel/tests/test_native_score_abi.py
+  with_packages timeout 300 python3 benchmarks/hopper_scoring_speed.py --pipeline \
+    --shapes 1x32768 1x131072 4x131072 --out "$RESULTS/hopper-scoring-pipeline.json" > "$LOGS/pipeline.log" 2>&1
+  echo "pipeline: rc=$?"
+  grep -E "^[0-9]+ x " "$LOGS/pipeline.log" | cut -c1-300
+  FPV2_INDEX_SCORING=auto bench_row 1 131072 bench-auto-131072 120 --page-size 1 --backend hopper
+  FPV2_INDEX_SCORING=auto bench_row 4 131072 bench-auto-4x131072 150 --page-size 1 --backend hopper
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

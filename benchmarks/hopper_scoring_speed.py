@@ -5,8 +5,11 @@ d = 128, page 1) is pooled once (with the scoring copy of the keys, as the pipel
 ``select_blocks_triton`` (prepared keys, scoring and selection, compaction; no host sync) is timed with
 ``FPV2_INDEX_SCORING=triton`` and ``=hopper`` alternating (A, B, B, A), median of ``--repeats`` CUDA-event
 samples each; the two indexes are compared pair by pair (kept (segment, block) pairs that differ: blocks within
-rounding of ``alpha``). A torch.profiler pass gives each scoring kernel's own GPU time. ``FPV2_SCORE_KERNEL=occupancy``
-(read once per process) times the Hopper kernel's one-accumulator variant (three CTAs per SM).
+rounding of ``alpha``). A torch.profiler pass gives each scoring kernel's own GPU time.
+
+``--pipeline`` times the whole corrected pipeline instead (``SparsePrefillPipeline`` on the Hopper backend,
+pooling, index, plan and attention; eager, each call on an idle GPU, as ``fpv2 bench`` times it), in the same
+alternation, and compares the two outputs.
 
 Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native library):
 ``python benchmarks/hopper_scoring_speed.py --shapes 1x32768 1x131072 4x131072 --out hopper-scoring.json``
@@ -27,6 +30,7 @@ from fpv2.index.triton import IndexWorkspace, pool_blocks_triton, select_blocks_
 from fpv2.index.triton.hopper_scoring import SCORING_ENV
 from fpv2.kernel.testing import planted_workload
 from fpv2.serving.environment import git_commit, gpu_name
+from fpv2.serving.pipeline import SparsePrefillPipeline
 from fpv2.serving.timing import median, timed_samples
 
 MODES = ("triton", "hopper")
@@ -67,7 +71,6 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
     a, b = (indexes[m].to_dense_mask(nb) for m in MODES)
     return {
         "B": batch,
-        "score_kernel": os.environ.get("FPV2_SCORE_KERNEL") or "overlap",
         "L": length,
         "alpha": alpha,
         "select_ms": runs,
@@ -79,8 +82,36 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
     }
 
 
+def pipeline_row(batch: int, length: int, repeats: int, alpha: float, device: torch.device) -> dict:
+    """The corrected pipeline (Hopper backend, page 1) with each scoring pass, alternating: eager medians in ms."""
+    w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=1, device=device)
+    pipeline = SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend="hopper")
+    call = partial(pipeline, w.q, w.k_cache, w.v_cache, w.batch)
+    runs: dict[str, list[float]] = {m: [] for m in MODES}
+    outputs = {}
+    for mode in ("triton", "hopper", "hopper", "triton"):
+        os.environ[SCORING_ENV] = mode
+        samples, result = timed_samples(call, 3, repeats, device)
+        runs[mode].append(median(samples))
+        outputs[mode] = result.out
+    os.environ.pop(SCORING_ENV, None)
+    a, b = (outputs[m].float() for m in MODES)
+    return {
+        "B": batch,
+        "L": length,
+        "alpha": alpha,
+        "pipeline_ms": runs,
+        "output_relative_difference": float((a - b).norm() / a.norm()),
+    }
+
+
 def summary(result: dict) -> str:
     """One line per row: the select call's medians and each mode's kernel times (names cut to 40 characters)."""
+    if "pipeline_ms" in result:
+        return (
+            f"{result['B']} x {result['L']}: pipeline {result['pipeline_ms']}, outputs differ by "
+            f"{result['output_relative_difference']:.2e}"
+        )
     kernels = {mode: {name[:40]: us for name, us in times.items()} for mode, times in result["kernels_us"].items()}
     return (
         f"{result['B']} x {result['L']}: select {result['select_ms']}, differing pairs {result['differing_pairs']}, "
@@ -94,13 +125,17 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--no-kernel-times", action="store_true", help="skip the torch.profiler pass (under ncu)")
+    parser.add_argument("--pipeline", action="store_true", help="time the corrected pipeline, not the select call")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
     for shape in args.shapes:
         batch, length = (int(x) for x in shape.lower().split("x"))
-        result = row(batch, length, args.repeats, args.alpha, device, profile=not args.no_kernel_times)
+        if args.pipeline:
+            result = pipeline_row(batch, length, args.repeats, args.alpha, device)
+        else:
+            result = row(batch, length, args.repeats, args.alpha, device, profile=not args.no_kernel_times)
         result.update(gpu=gpu_name(device), commit=git_commit())
         rows.append(result)
         print(summary(result), flush=True)
