@@ -152,6 +152,25 @@ if [ "$PART" = pipeline ]; then
   FPV2_INDEX_SCORING=auto bench_row 4 131072 bench-auto-4x131072 150 --page-size 1 --backend hopper
 fi
 
+if [ "$PART" = host ]; then
+  # Why the pipeline A/B of part "pipeline" showed no gain from a scoring kernel 95 us faster at 128K: the host's
+  # launch marks and per-function host time of a corrected call (page 1, Hopper backend) with each scoring pass.
+  # Expected: the scoring launch is on the critical path (session 16: GPU idle ~0.18 ms before it), and the
+  # Hopper path's host work before its launch (the mode checks, the argument struct: ~27 us of Python on the
+  # development machine) is longer than the Triton pass's relaunch.
+  for mode in triton auto; do
+    FPV2_INDEX_SCORING=$mode with_packages timeout 200 python3 benchmarks/pipeline_profile.py --seqlen 32768 131072 \
+      --page-size 1 --backend hopper --marks-only --out "$RESULTS/marks-$mode" > "$RESULTS/marks-$mode.txt" 2>&1
+    echo "marks $mode: rc=$?"
+    FPV2_INDEX_SCORING=$mode with_packages timeout 200 python3 benchmarks/pipeline_profile.py --seqlen 32768 131072 \
+      --page-size 1 --backend hopper --host-breakdown --out "$RESULTS/host-$mode" > "$RESULTS/host-$mode.txt" 2>&1
+    echo "host breakdown $mode: rc=$?"
+  done
+  grep -A8 "corrected, waited by synchronize" "$RESULTS"/marks-*.txt | cut -c1-120
+  grep -E "==|whole call|pool_blocks_triton|select_blocks_triton|_launch_|score_|use_hopper|HopperBackend.run " \
+    "$RESULTS"/host-*.txt | cut -c1-130
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

@@ -113,7 +113,9 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
 _MARKED = (
     ("fpv2.index.triton.api", "launch_pool", "pool launched"),
     ("fpv2.index.triton.api", "launch_score_select", "scoring launched"),
+    ("fpv2.index.triton.api", "_launch_hopper_scoring", "Hopper scoring launched"),
     ("fpv2.index.triton.api", "launch_compact", "compaction launched"),
+    ("fpv2.kernel.triton.tile_repack", "repack_to_tile_pages", "repack launched"),
     ("fpv2.kernel._native", "hopper_prefill", "attention launched"),
 )
 
@@ -202,6 +204,11 @@ _BROKEN_DOWN = (
     "fpv2.index.triton.api:matching_keys",
     "fpv2.index.triton.api:launch_pool",
     "fpv2.index.triton.api:launch_score_select",
+    "fpv2.index.triton.api:_launch_hopper_scoring",
+    "fpv2.index.triton.api:_launch_triton_scoring",
+    "fpv2.index.triton.api:use_hopper_scoring",
+    "fpv2.kernel._native.score:score_args_struct",
+    "fpv2.kernel._native.score:score_blocks",
     "fpv2.index.triton.api:launch_compact",
     "fpv2.index.triton.api:IndexWorkspace.num_programs",
     "fpv2.index.triton.api:IndexWorkspace.reserve",
