@@ -138,6 +138,19 @@ if [ "$PART" = unchecked ]; then
   sanitize_scoring
 fi
 
+if [ "$PART" = sampled ]; then
+  # Cheap offsets on every step: a tile's first step takes the quad's largest first / last logit of each key as
+  # its offset, and the masked last step too (per-logit masks only for the one key a row may not see, or a
+  # tile of fewer than 128 rows). At 32K a tile has about two steps, both of which ran the exact path.
+  # Prediction: 32K 0.164 -> 0.135-0.150 ms, 128K 1.440 -> 1.37-1.42, 4 x 128K 5.88 -> 5.6-5.8; 0 differing
+  # pairs; sanitizers clean.
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  FPV2_INDEX_SCORING=auto gpu_tests index-auto 300 packages/fpv2-index/tests/test_triton_index.py \
+    packages/fpv2-index/tests/test_index_api.py packages/fpv2-index/tests/test_triton_index_variants.py -m gpu
+  speed_table sampled
+  sanitize_scoring
+fi
+
 if [ "$PART" = pipeline ]; then
   # The corrected pipeline (Hopper backend, page 1) with each scoring pass, alternating in one process
   # (hopper_scoring_speed.py --pipeline), then fpv2 bench with the Hopper scoring at 128K and 4 x 128K. Prediction

@@ -138,6 +138,15 @@ struct ScoreSelect {
     }
   }
 
+  // The first of the tile's rows that sees block `block` (0: all do; kTileRows: none).
+  __device__ __forceinline__ static int first_seeing_row(ScoreParams<Element> const& p, ScoreGeometry const& g,
+                                                         int block) {
+    // Row r sees block J when J * Bk <= prefix + (row_begin + r) / g, i.e. (J * Bk - prefix) * g <= row.
+    const int64_t ahead = int64_t(block) * p.block_size - g.prefix;
+    const int64_t first_row = ahead > 0 ? ahead * p.group - g.row_begin : 0;
+    return first_row > Traits::kTileRows ? Traits::kTileRows : int(first_row);
+  }
+
   // One step's energies from its accumulator (keys x rows view): stored for the tile's candidates, folded
   // into the running maximum. kMasked: the logits of rows that do not see a key, and keys past the
   // candidates, are left out.
@@ -158,10 +167,7 @@ struct ScoreSelect {
       key_ok[i] = true;
       if constexpr (kMasked) {
         key_ok[i] = block[i] < g.num_candidates;
-        // Row r sees block J when J * Bk <= prefix + (row_begin + r) / g, i.e. (J * Bk - prefix) * g <= row.
-        const int64_t ahead = int64_t(block[i]) * p.block_size - g.prefix;
-        const int64_t first_row = ahead > 0 ? ahead * p.group - g.row_begin : 0;
-        const int min_row = first_row > Traits::kTileRows ? Traits::kTileRows : int(first_row);
+        const int min_row = first_seeing_row(p, g, block[i]);
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
           const int row = int(get<1>(coord(i, j)));
@@ -206,41 +212,71 @@ struct ScoreSelect {
     }
   }
 
-  // An unmasked step's energies with the thread's running maximum as every key's offset instead of the key's
-  // own maximum over the rows: no maximum tree and quad exchange before the exponentials. The running maximum
-  // is the same in the four lanes that share a key (each lane folds in the same quad-reduced energies), so
-  // their sums add up. Exact where no 2^(s - offset) overflows (s above the offset by 128 or more, in log2
-  // units); a warp that meets one redoes the step with each key's own maximum (returns false: the caller
-  // calls reduce). Sums flushed to zero (every s of a key 126 below the offset) give -inf: that key's energy
-  // is below 2^-119 of the tile's peak, which no alpha in (2^-119, 1] keeps, as with the exact offsets.
-  template <class AccRowsCols, class CoordRowsCols>
+  // A step's energies with a cheap offset per key instead of the key's own maximum over the rows (no maximum
+  // tree before the exponentials): after a tile's first step the thread's running maximum, and in the first
+  // step the larger of the thread's first and last logit of the key, maximised over the quad (two shuffles).
+  // Both offsets are the same in the four lanes that share a key (each lane folds in the same quad-reduced
+  // energies), so their sums add up. Exact where no 2^(s - offset) overflows (s above the offset by 128 or
+  // more, in log2 units) and the offset is finite; a warp that meets either redoes the step with each key's own
+  // maximum (returns false: the caller calls reduce). Sums flushed to zero (every s of a key 126 below the
+  // offset) give -inf: that key's energy is below 2^-119 of the tile's peak, which no alpha in (2^-119, 1]
+  // keeps, as with the exact offsets.
+  // kMasked: keys past the candidates are skipped, and only a key that some row does not see (at most the one
+  // block whose first token falls inside the tile's positions) or a tile of fewer than 128 rows masks per logit.
+  template <bool kMasked, class AccRowsCols, class CoordRowsCols>
   __device__ __forceinline__ static bool reduce_shifted(AccRowsCols& s, CoordRowsCols const& coord, int first_key,
-                                                        float* energies, float& running_max) {
+                                                        ScoreGeometry const& g, ScoreParams<Element> const& p,
+                                                        bool first_step, float* energies, float& running_max) {
     using namespace cute;
     constexpr int kKeys = decltype(size<0>(s))::value;
     constexpr int kCols = decltype(size<1>(s))::value;
-    const float offset = running_max;
+    int block[kKeys];
+    bool key_ok[kKeys];
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      block[i] = first_key + int(get<0>(coord(i, 0)));
+      key_ok[i] = true;
+      if constexpr (kMasked) {
+        key_ok[i] = block[i] < g.num_candidates;
+        const int min_row = first_seeing_row(p, g, block[i]);
+        if (min_row > 0 || g.num_rows < Traits::kTileRows) {
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) {
+            const int row = int(get<1>(coord(i, j)));
+            if (row < min_row || row >= g.num_rows) s(i, j) = -INFINITY;
+          }
+        }
+      }
+    }
+    float offset[kKeys];
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      offset[i] = first_step ? hopper::quad_max(fmaxf(s(i, 0), s(i, kCols - 1))) : running_max;
+    }
     float sums[kKeys][4];
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) sums[i][0] = sums[i][1] = sums[i][2] = sums[i][3] = 0.0f;
     CUTE_UNROLL
     for (int j = 0; j < kCols; ++j) {
       CUTE_UNROLL
-      for (int i = 0; i < kKeys; ++i) sums[i][j % 4] += hopper::fast_exp2(s(i, j) - offset);
+      for (int i = 0; i < kKeys; ++i) sums[i][j % 4] += hopper::fast_exp2(s(i, j) - offset[i]);
     }
     float total[kKeys];
-    bool overflow = false;
+    bool redo = false;
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) {
       total[i] = hopper::quad_sum((sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]));
-      overflow |= total[i] == INFINITY;
+      // An overflow (inf), or an offset of -inf (NaN or inf): the exact offsets instead.
+      redo |= key_ok[i] && !(total[i] <= 3.0e38f && offset[i] > -INFINITY);
     }
-    if (__any_sync(0xffffffffu, overflow)) return false;
+    if (__any_sync(0xffffffffu, redo)) return false;
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) {
-      const float energy = offset + fast_log2(total[i]);
-      if (threadIdx.x % 4 == 0) energies[first_key + int(get<0>(coord(i, 0)))] = energy;
-      running_max = fmaxf(running_max, energy);
+      if (key_ok[i]) {
+        const float energy = offset[i] + fast_log2(total[i]);
+        if (threadIdx.x % 4 == 0) energies[block[i]] = energy;
+        running_max = fmaxf(running_max, energy);
+      }
     }
     return true;
   }
@@ -349,12 +385,12 @@ struct ScoreSelect {
             prefetch_next();
           }
           const int first_key = n * Traits::kStepKeys;
+          // Cheap offsets first; the exact ones only where a warp met an overflow (reduce_shifted).
           if (first_key + Traits::kStepKeys <= g.num_full) {
-            // The running maximum is an offset once a step has set it (the first step of a tile has none).
-            if (n == 0 || !reduce_shifted(acc_rc, cS_rc, first_key, energies, running_max)) {
+            if (!reduce_shifted<false>(acc_rc, cS_rc, first_key, g, p, n == 0, energies, running_max)) {
               reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
             }
-          } else {
+          } else if (!reduce_shifted<true>(acc_rc, cS_rc, first_key, g, p, n == 0, energies, running_max)) {
             reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           }
         }
