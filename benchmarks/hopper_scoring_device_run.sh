@@ -184,6 +184,17 @@ if [ "$PART" = host ]; then
     "$RESULTS"/host-*.txt | cut -c1-130
 fi
 
+if [ "$PART" = default ]; then
+  # The Hopper scoring as the default (FPV2_INDEX_SCORING unset): its tests (the default's dispatch included), the
+  # index package's GPU suites (their Triton-pass modules pinned to the Triton pass by tests/conftest.py, the API
+  # tests on the default) and the serving pipeline's GPU tests.
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  gpu_tests index 300 packages/fpv2-index/tests/test_index_api.py packages/fpv2-index/tests/test_triton_index.py \
+    packages/fpv2-index/tests/test_triton_host_path.py packages/fpv2-index/tests/test_index_workspace_streams.py \
+    packages/fpv2-index/tests/test_triton_index_variants.py -m gpu
+  gpu_tests serving 240 packages/fpv2-serving/tests/test_serving_pipeline.py -m gpu
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

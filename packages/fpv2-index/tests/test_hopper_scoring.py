@@ -49,7 +49,7 @@ needs_hopper = pytest.mark.skipif(
 
 # --------------------------------------------------------------------------- the switch (CPU)
 @pytest.mark.parametrize(
-    ("value", "mode"), [(None, "triton"), ("", "triton"), ("AUTO", "auto"), (" hopper ", "hopper")]
+    ("value", "mode"), [(None, "auto"), ("", "auto"), ("TRITON", "triton"), (" hopper ", "hopper")]
 )
 def test_scoring_mode_reads_the_environment(monkeypatch, value, mode) -> None:
     if value is None:
@@ -85,6 +85,22 @@ def test_hopper_mode_refuses_instead_of_falling_back(monkeypatch) -> None:
     assert use_hopper_scoring(q, SelectionConfig(), 128, 8, False) is False
     monkeypatch.setenv(SCORING_ENV, "triton")
     assert use_hopper_scoring(q, SelectionConfig(), 128, 8, False) is False
+
+
+def test_the_default_falls_back_where_the_kernel_cannot_serve(monkeypatch) -> None:
+    monkeypatch.delenv(SCORING_ENV, raising=False)
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)  # CPU queries: the Triton pass, no error
+    assert use_hopper_scoring(q, SelectionConfig(), 128, 8, False) is False
+    assert use_hopper_scoring(q, SelectionConfig(probe_stride=2), 128, 8, False) is False
+
+
+@gpu
+@needs_hopper
+def test_the_default_takes_the_hopper_kernel_on_sm90(monkeypatch) -> None:
+    monkeypatch.delenv(SCORING_ENV, raising=False)
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert use_hopper_scoring(q, SelectionConfig(), 128, 8, False) is True
+    assert use_hopper_scoring(q, SelectionConfig(probe_stride=2), 128, 8, False) is False
 
 
 # --------------------------------------------------------------------------- the kernel (GPU)

@@ -4,9 +4,11 @@
 // Pass 1 walks the tile's candidate pooled keys 64 at a time. Step n's product S = K_n Q^T (64 keys x 128
 // rows, fp32) is one wgmma; the keys of step n+1 are copied by cp.async into the other of two buffers while
 // step n is reduced. Three CTAs share an SM, so one's exponentials run under another's product. A key's log2
-// energy L_J = m_J + log2(sum_r 2^(s_rJ - m_J)), m_J its maximum over the rows that see it, goes to shared
-// memory; the running maximum over the tile's keys is kept in registers.
-// Only the last steps of a tile (keys some row does not see, or past the candidates) mask per logit.
+// energy L_J = o_J + log2(sum_r 2^(s_rJ - o_J)) goes to shared memory, with a cheap offset o_J (reduce_shifted:
+// the running maximum over the thread's earlier keys, or in a tile's first step a sample of the key's logits)
+// and, where that overflows, the key's maximum over the rows that see it (reduce); the running maximum over
+// the tile's keys is kept in registers. Only the last step of a tile masks, and per logit only for a key some
+// row does not see or a tile of fewer than 128 rows.
 //
 // Pass 2 thresholds the energies (2^(L_J - max L) >= alpha), adds the forced blocks and writes one keep
 // word per 32 blocks with a warp ballot, and the segment's count. No energies leave the SM.

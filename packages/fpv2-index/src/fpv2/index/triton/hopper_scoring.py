@@ -3,15 +3,16 @@ scoring (``fpv2_score_blocks``, :mod:`fpv2.kernel._native.score`) instead of the
 
 Both apply the same rule to the same prepared keys and write the same keep bits, counts and offsets (up
 to blocks whose energy ratio lies within rounding of ``alpha``); the compaction that follows is shared.
-``$FPV2_INDEX_SCORING`` chooses: ``triton`` (the default) always takes the Triton pass; ``auto`` takes the
-Hopper kernel wherever it serves the call (an sm_90 GPU, a library built with the Hopper code, bf16 or fp16
-queries, head dims 64 and 128, 128-row tiles, every row scored, at most 16384 key blocks per request) and
-the Triton pass elsewhere; ``hopper`` requires the kernel and raises where it cannot serve.
+``$FPV2_INDEX_SCORING`` chooses: ``auto`` (the default) takes the Hopper kernel wherever it serves the call (an
+sm_90 GPU, a library built with the Hopper code, bf16 or fp16 queries, head dims 64 and 128, 128-row tiles,
+every row scored, at most 16384 key blocks per request) and the Triton pass elsewhere; ``triton`` always takes
+the Triton pass; ``hopper`` requires the kernel and raises where it cannot serve.
 
-The Triton pass stays the default: on the H200 the two kernels now take the same GPU time (scoring kernel
-alone, identical indexes: 1.550 against 1.544 ms at 128K, 0.168 against 0.174 ms at 32K, 6.24 against 6.27 ms at
-4 x 128K), and the Hopper path adds a prefix-sum launch (17 us at 128K) and more host time per call
-(``benchmarks/NOTES.md``, 2026-12-04).
+On the H200 the Hopper kernel is the faster of the two (scoring kernel alone, identical indexes: 1.435 against
+1.537 ms at 128K, 0.156 against 0.172 ms at 32K, 5.87 against 6.20 ms at 4 x 128K), its launch takes less host
+time than the Triton pass's, and the whole eager selection call is 4-8% faster (1.82 against 1.90-1.92 ms at
+128K, 6.26 against 6.78-6.81 ms at 4 x 128K), prefix-sum launch included (``benchmarks/NOTES.md``, 2026-12-04,
+eighteenth session).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ SCORING_MODES = ("auto", "triton", "hopper")
 
 
 def scoring_mode() -> str:
-    """The scoring pass asked for by ``$FPV2_INDEX_SCORING`` (unset or empty: ``triton``).
+    """The scoring pass asked for by ``$FPV2_INDEX_SCORING`` (unset or empty: ``auto``).
 
     Raises:
         ValueError: an unknown value.
     """
-    mode = os.environ.get(SCORING_ENV, "").strip().lower() or "triton"
+    mode = os.environ.get(SCORING_ENV, "").strip().lower() or "auto"
     if mode not in SCORING_MODES:
         raise ValueError(f"{SCORING_ENV}={mode!r}; expected one of {', '.join(SCORING_MODES)}")
     return mode
