@@ -195,6 +195,14 @@ if [ "$PART" = default ]; then
   gpu_tests serving 240 packages/fpv2-serving/tests/test_serving_pipeline.py -m gpu
 fi
 
+if [ "$PART" = serving ]; then
+  # Part "default" picked a serving file without GPU tests: the serving GPU suites on the new default (the soak
+  # tests left out), the sync-free checks included.
+  gpu_tests serving 400 packages/fpv2-serving/tests/test_serving_gpu.py packages/fpv2-serving/tests/test_sync_free.py \
+    packages/fpv2-serving/tests/test_chunked_prefill.py packages/fpv2-serving/tests/test_adapter_vllm.py \
+    packages/fpv2-serving/tests/test_tile_repack_policy.py packages/fpv2-serving/tests/test_adapter_transformers.py -m gpu
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do
