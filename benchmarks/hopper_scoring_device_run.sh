@@ -203,6 +203,20 @@ if [ "$PART" = serving ]; then
     packages/fpv2-serving/tests/test_tile_repack_policy.py packages/fpv2-serving/tests/test_adapter_transformers.py -m gpu
 fi
 
+if [ "$PART" = refactor ]; then
+  # The step's key selection and masks in one helper for both reductions (the exact path no longer sets the
+  # logits of keys past the candidates to -inf: their energies are never stored): the tests, the speed table
+  # (expected unchanged) and the sanitizers; then where the host time of an eager call goes (cProfile of the
+  # corrected 128K page-1 call, no torch.profiler in the process: launch_pool costs 159 us there).
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  speed_table refactor
+  sanitize_scoring
+  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
+    --cprofile --out "$RESULTS/cprofile" > "$RESULTS/cprofile-131072.txt" 2>&1
+  echo "cprofile: rc=$?"
+  grep -E "==|launch_pool|fresh_outputs|relaunch|_POOL|pooling.py|pool_blocks" "$RESULTS/cprofile-131072.txt" | head -30 | cut -c1-150
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do

@@ -9,7 +9,9 @@ call of every kernel, the sum, and the mean wall time per call; then the host si
 syncs, cProfile). ``--marks-only`` instead times, without the profiler in the process, when the
 host issued each launch and when the GPU got past it (:func:`host_marks`): the profiler's own
 timeline is no guide to host gaps, as its Triton launch hooks slow every launch.
-``--host-breakdown`` instead times the host side of each pipeline function of a call (:func:`host_breakdown`).
+``--host-breakdown`` instead times the host side of each pipeline function of a call (:func:`host_breakdown`);
+``--cprofile`` runs only :func:`host_side` (no torch.profiler in the process, whose Triton launch hooks would turn
+the direct relaunches off).
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``, on a GPU):
 ``python benchmarks/pipeline_profile.py --seqlen 32768 131072 --page-size 128 --out OUT``
@@ -69,6 +71,13 @@ def profile_length(seqlen: int, args: argparse.Namespace) -> dict[str, object]:
             print(f"\n== L={seqlen} B={args.batch} page {args.page_size} {key}: host time per call (median us, calls)")
             for name, us, n in rows:
                 print(f"    {name:60s} {us:8.1f}  x{n:g}")
+            continue
+        if args.cprofile:  # the host side alone (issue time, syncs, cProfile), no torch.profiler in the process
+            host_ms, syncs, top = host_side(lambda: pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch), args.repeats)  # noqa: B023
+            record[key] = {"host_issue_ms": host_ms, "host_syncs_per_call": syncs, "host_profile_top": top}
+            print(f"\n== L={seqlen} B={args.batch} page {args.page_size} {key}: host issue {host_ms:.3f} ms/call, "
+                  f"{syncs} syncs/call")  # fmt: skip
+            print(top)
             continue
         if args.marks_only:  # no profiler in this process: its launch hooks would slow every Triton launch
             record[key] = {}
@@ -340,6 +349,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--host-breakdown", action="store_true", help="only the host time of each pipeline function (no profiler)"
+    )
+    parser.add_argument(
+        "--cprofile", action="store_true", help="only the host side: issue time, syncs and cProfile (no torch.profiler)"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():

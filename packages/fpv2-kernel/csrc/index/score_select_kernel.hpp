@@ -149,6 +149,35 @@ struct ScoreSelect {
     return first_row > Traits::kTileRows ? Traits::kTileRows : int(first_row);
   }
 
+  // The key blocks a thread holds in a step and whether each is a candidate. kMasked (a tile's last step): keys
+  // past the candidates are not, and the logits of rows that do not see a key become -inf; only a key some row
+  // does not see (at most the one block whose first token falls inside the tile's positions) or a tile of fewer
+  // than 128 rows has any. The logits of keys past the candidates are left as they are: their energies are
+  // never stored.
+  template <bool kMasked, class AccRowsCols, class CoordRowsCols, int kKeys>
+  __device__ __forceinline__ static void step_keys(AccRowsCols& s, CoordRowsCols const& coord, int first_key,
+                                                   ScoreGeometry const& g, ScoreParams<Element> const& p,
+                                                   int (&block)[kKeys], bool (&key_ok)[kKeys]) {
+    using namespace cute;
+    constexpr int kCols = decltype(size<1>(s))::value;
+    CUTE_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      block[i] = first_key + int(get<0>(coord(i, 0)));
+      key_ok[i] = true;
+      if constexpr (kMasked) {
+        key_ok[i] = block[i] < g.num_candidates;
+        const int min_row = first_seeing_row(p, g, block[i]);
+        if (min_row > 0 || g.num_rows < Traits::kTileRows) {
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) {
+            const int row = int(get<1>(coord(i, j)));
+            if (row < min_row || row >= g.num_rows) s(i, j) = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+
   // One step's energies from its accumulator (keys x rows view): stored for the tile's candidates, folded
   // into the running maximum. kMasked: the logits of rows that do not see a key, and keys past the
   // candidates, are left out.
@@ -163,20 +192,7 @@ struct ScoreSelect {
     // twice the parallelism of one key after the other).
     int block[kKeys];
     bool key_ok[kKeys];
-    CUTE_UNROLL
-    for (int i = 0; i < kKeys; ++i) {
-      block[i] = first_key + int(get<0>(coord(i, 0)));
-      key_ok[i] = true;
-      if constexpr (kMasked) {
-        key_ok[i] = block[i] < g.num_candidates;
-        const int min_row = first_seeing_row(p, g, block[i]);
-        CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) {
-          const int row = int(get<1>(coord(i, j)));
-          if (!key_ok[i] || row < min_row || row >= g.num_rows) s(i, j) = -INFINITY;
-        }
-      }
-    }
+    step_keys<kMasked>(s, coord, first_key, g, p, block, key_ok);
     // Maximum over the thread's rows as a tree of independent pairs, then over the quad.
     float m[kKeys][kCols / 2];
     CUTE_UNROLL
@@ -234,22 +250,7 @@ struct ScoreSelect {
     constexpr int kCols = decltype(size<1>(s))::value;
     int block[kKeys];
     bool key_ok[kKeys];
-    CUTE_UNROLL
-    for (int i = 0; i < kKeys; ++i) {
-      block[i] = first_key + int(get<0>(coord(i, 0)));
-      key_ok[i] = true;
-      if constexpr (kMasked) {
-        key_ok[i] = block[i] < g.num_candidates;
-        const int min_row = first_seeing_row(p, g, block[i]);
-        if (min_row > 0 || g.num_rows < Traits::kTileRows) {
-          CUTE_UNROLL
-          for (int j = 0; j < kCols; ++j) {
-            const int row = int(get<1>(coord(i, j)));
-            if (row < min_row || row >= g.num_rows) s(i, j) = -INFINITY;
-          }
-        }
-      }
-    }
+    step_keys<kMasked>(s, coord, first_key, g, p, block, key_ok);
     float offset[kKeys];
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) {
