@@ -23,6 +23,7 @@ from fpv2.index.reference import select_blocks
 from fpv2.index.triton import IndexWorkspace, pool_blocks_triton, select_blocks_triton
 from fpv2.index.triton.hopper_scoring import (
     SCORING_ENV,
+    device_scoring_reason,
     hopper_scoring_reason,
     scoring_mode,
     use_hopper_scoring,
@@ -85,6 +86,12 @@ def test_hopper_mode_refuses_instead_of_falling_back(monkeypatch) -> None:
     assert use_hopper_scoring(q, SelectionConfig(), 128, 8, False) is False
     monkeypatch.setenv(SCORING_ENV, "triton")
     assert use_hopper_scoring(q, SelectionConfig(), 128, 8, False) is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_device_reason_without_cuda() -> None:
+    assert device_scoring_reason() == "no CUDA device is visible to torch"
+    assert device_scoring_reason(0) == "no CUDA device is visible to torch"
 
 
 def test_the_default_falls_back_where_the_kernel_cannot_serve(monkeypatch) -> None:

@@ -48,6 +48,31 @@ def test_info_names_every_component(capsys):
     assert "max_threshold" in out and "dense" in out
 
 
+def test_info_says_which_scoring_pass_the_index_takes(monkeypatch, capsys):
+    pytest.importorskip("triton")
+    from fpv2.index.triton import hopper_scoring
+    from fpv2.serving import environment
+
+    monkeypatch.delenv(hopper_scoring.SCORING_ENV, raising=False)
+    assert main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("index scoring:"))
+    assert "auto (FPV2_INDEX_SCORING)" in line
+    if not torch.cuda.is_available():
+        assert "the fused Triton pass here (no CUDA device is visible to torch)" in line
+    # A device the kernel serves, and each mode's wording.
+    monkeypatch.setattr(hopper_scoring, "device_scoring_reason", lambda device_index=None: None)
+    assert "the Hopper wgmma kernel" in environment.index_scoring()
+    assert "Triton pass for the rest" in environment.index_scoring()
+    monkeypatch.setenv(hopper_scoring.SCORING_ENV, "triton")
+    assert environment.index_scoring() == "triton (FPV2_INDEX_SCORING): the fused Triton pass"
+    monkeypatch.setattr(hopper_scoring, "device_scoring_reason", lambda device_index=None: "an sm_80 GPU")
+    monkeypatch.setenv(hopper_scoring.SCORING_ENV, "hopper")
+    assert environment.index_scoring() == "hopper (FPV2_INDEX_SCORING): calls will be refused here (an sm_80 GPU)"
+    monkeypatch.setenv(hopper_scoring.SCORING_ENV, "sometimes")
+    assert environment.index_scoring().startswith("unavailable (ValueError: FPV2_INDEX_SCORING='sometimes'")
+    assert "index_scoring" in environment.environment_record()
+
+
 def test_bench_tiny_cpu_writes_results_summary_and_png(tmp_path, capsys):
     code = main(["bench", *TINY_RUN, "--alpha", "0.1", "--alpha", "0.3", "--out", str(tmp_path)])
     captured = capsys.readouterr()

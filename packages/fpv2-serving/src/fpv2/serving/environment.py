@@ -134,6 +134,30 @@ def selection_strategies() -> str:
         return f"unavailable ({type(exc).__name__}: {exc})"
 
 
+def index_scoring() -> str:
+    """Which scoring pass the index's selection takes on this machine (``$FPV2_INDEX_SCORING``), and why.
+
+    Returns:
+        The mode and, for ``auto``, whether the Hopper kernel runs on the current device (the dtype, head dim
+        and length of a call still decide) or why not.
+    """
+    try:
+        from fpv2.index.triton.hopper_scoring import SCORING_ENV, device_scoring_reason, scoring_mode
+
+        mode = scoring_mode()
+        if mode == "triton":
+            return f"triton ({SCORING_ENV}): the fused Triton pass"
+        reason = device_scoring_reason()
+    except Exception as exc:
+        return f"unavailable ({type(exc).__name__}: {exc})"
+    if reason is None:
+        rest = ", the fused Triton pass for the rest" if mode == "auto" else ""
+        return f"{mode} ({SCORING_ENV}): the Hopper wgmma kernel for bf16 / fp16 calls at head dims 64 and 128{rest}"
+    if mode == "hopper":
+        return f"hopper ({SCORING_ENV}): calls will be refused here ({reason})"
+    return f"auto ({SCORING_ENV}): the fused Triton pass here ({reason})"
+
+
 def backend_lines() -> list[str]:
     """One line per registered attention backend: name, available or not, reason.
 
@@ -202,6 +226,7 @@ def environment_record() -> dict[str, object]:
         "triton": triton_version(),
         "wheels": component_versions(),
         "native_library": native_library_status(),
+        "index_scoring": index_scoring(),
         "commit": git_commit(),
     }
 
@@ -226,4 +251,5 @@ def info_lines() -> list[str]:
     except Exception as exc:
         lines.append(f"  unavailable ({type(exc).__name__}: {exc})")
     lines.append(f"selection strategies: {selection_strategies()}")
+    lines.append(f"index scoring:    {index_scoring()}")
     return lines

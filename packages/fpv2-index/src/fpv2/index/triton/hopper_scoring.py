@@ -55,6 +55,21 @@ def _library_reason(device_index: int) -> str | None:
     return None
 
 
+def device_scoring_reason(device_index: int | None = None) -> str | None:
+    """Why the Hopper scoring kernel cannot run on a device at all, or None when it can (per call, the dtype,
+    head dim, tile and length still decide: :func:`hopper_scoring_reason`).
+
+    Args:
+        device_index: a CUDA device index; None takes the current device.
+
+    Returns:
+        The reason, or None.
+    """
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch"
+    return _library_reason(torch.cuda.current_device() if device_index is None else device_index)
+
+
 def hopper_scoring_reason(
     q: torch.Tensor, config: SelectionConfig, head_dim: int, max_blocks: int, has_q_descale: bool
 ) -> str | None:
@@ -82,8 +97,7 @@ def hopper_scoring_reason(
         )
     if max_blocks > SCORE_MAX_BLOCKS:
         return f"a request has {max_blocks} key blocks; the kernel takes at most {SCORE_MAX_BLOCKS}"
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _library_reason(index)
+    return device_scoring_reason(q.device.index)
 
 
 def use_hopper_scoring(
