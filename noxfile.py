@@ -20,32 +20,15 @@ PACKAGES = [f"./packages/fpv2-{name}" for name in ("kernel", "index", "correctio
 # The CPU machines carry these as local files; elsewhere pip takes them from the index.
 TORCH = os.environ.get("FPV2_TORCH_SPEC", "torch==2.13.0")
 TRITON = os.environ.get("FPV2_TRITON_SPEC", "triton==3.6.0")
-CUTLASS_PIN = "4.2.0.0"
-BUILD_REQUIREMENTS = ["scikit-build-core>=0.10", f"nvidia-cutlass=={CUTLASS_PIN}", "cmake>=3.26", "ninja"]
+BUILD_REQUIREMENTS = ["scikit-build-core>=0.10", "nvidia-cutlass==4.2.0.0", "cmake>=3.26", "ninja"]
 TEST_REQUIREMENTS = ["pytest>=8", "hypothesis>=6", "numpy", "tqdm", "rich", "matplotlib", "packaging"]
-
-
-def _shared_cutlass_env(session: nox.Session) -> dict[str, str]:
-    """``FPV2_CUTLASS_DIR`` naming one copy of the pinned CUTLASS headers for every session.
-
-    The kernel wheel builds in ``packages/fpv2-kernel/build/{wheel_tag}``, shared by the sessions that build it
-    (``tests`` installs it, ``build`` packs it). Found in each session's own virtualenv, the headers would sit
-    at a different path each time, so every compile command would change and the second session would rebuild
-    the whole library (about 6 minutes on the 2-core CI machine). The copy under ``build/`` keeps the commands
-    identical, so the second build only re-links what changed.
-    """
-    found = session.run("python", "packages/fpv2-kernel/cmake/find_cutlass_include.py", silent=True).strip()
-    shared = os.path.abspath(os.path.join("build", "cutlass-include-" + CUTLASS_PIN))
-    if not os.path.exists(os.path.join(shared, "cute", "tensor.hpp")):
-        shutil.copytree(found, shared, dirs_exist_ok=True)
-    return {"FPV2_CUTLASS_DIR": shared}
 
 
 def _install_project(session: nox.Session) -> None:
     """Install torch, the build backend and the four wheels (no build isolation: one CUTLASS pin)."""
     session.install(TORCH, TRITON)
     session.install(*BUILD_REQUIREMENTS, *TEST_REQUIREMENTS)
-    session.install("--no-build-isolation", "--no-deps", *PACKAGES, env=_shared_cutlass_env(session))
+    session.install("--no-build-isolation", "--no-deps", *PACKAGES)
 
 
 def _native_expected() -> bool:
@@ -140,10 +123,7 @@ def build(session: nox.Session) -> None:
     """The four wheels into ``dist/`` (the kernel wheel compiles its native library when nvcc is found)."""
     session.install(*BUILD_REQUIREMENTS, "pip")
     shutil.rmtree("dist", ignore_errors=True)
-    session.run(
-        "python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", "dist", *PACKAGES,
-        env=_shared_cutlass_env(session),
-    )  # fmt: skip
+    session.run("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", "dist", *PACKAGES)
     wheels = sorted(glob.glob("dist/*.whl"))
     session.log("built: " + ", ".join(os.path.basename(w) for w in wheels))
     if len(wheels) != len(PACKAGES):
