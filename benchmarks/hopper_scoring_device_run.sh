@@ -217,6 +217,16 @@ if [ "$PART" = refactor ]; then
   grep -E "==|launch_pool|fresh_outputs|relaunch|_POOL|pooling.py|pool_blocks" "$RESULTS/cprofile-131072.txt" | head -30 | cut -c1-150
 fi
 
+if [ "$PART" = pool-host ]; then
+  # Where launch_pool's host time goes inside the pipeline: cProfile of 50 corrected 128K page-1 calls, with the
+  # callees of the pooling launch, of fresh_outputs and of the relaunches.
+  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
+    --cprofile --repeats 50 --out "$RESULTS/cprofile" > "$RESULTS/cprofile-pool-131072.txt" 2>&1
+  echo "cprofile: rc=$?"
+  grep -E "==|launch_pool|pool_blocks_triton|fresh_outputs|relaunch.py|_carve|torch.empty|launcher" \
+    "$RESULTS/cprofile-pool-131072.txt" | head -40 | cut -c1-160
+fi
+
 if [ "$PART" = bench ]; then
   for mode in auto triton; do
     for L in 131072 32768; do
