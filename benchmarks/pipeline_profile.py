@@ -332,7 +332,9 @@ def host_side(call, repeats: int) -> tuple[float, int, str]:
     stats.sort_stats("cumulative").print_stats(40)
     stats.sort_stats("tottime").print_stats(40)  # the leaves where the host time is spent
     # What the pooling launch spends its time on (159 us of host inside the pipeline at 128K, 2026-12-04).
-    stats.sort_stats("cumulative").print_callees(r"launch_pool|pool_blocks_triton|fresh_outputs|relaunch.py.*\(__call__\)")
+    stats.sort_stats("cumulative").print_callees(
+        r"launch_pool|pool_blocks_triton|fresh_outputs|relaunch.py.*\(__call__\)"
+    )
     return sorted(issue)[len(issue) // 2], syncs, text.getvalue()
 
 
