@@ -214,6 +214,19 @@ def test_fresh_outputs_are_aligned_disjoint_views_of_one_allocation() -> None:
     assert same[0].dtype == torch.int32 and same[1].data_ptr() - same[0].data_ptr() == PART_ALIGN
 
 
+def test_fresh_outputs_are_new_memory_on_every_call_with_a_remembered_layout() -> None:
+    parts = [((4, 2, 8), torch.float32), ((4,), torch.int32), ((3,), torch.int32)]
+    first = fresh_outputs(torch.device(DEVICE), parts)
+    second = fresh_outputs(torch.device(DEVICE), [(list(shape), dtype) for shape, dtype in parts])  # lists too
+    assert first[0].untyped_storage().data_ptr() != second[0].untyped_storage().data_ptr()
+    for a, b in zip(first, second, strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        assert a.data_ptr() - first[0].data_ptr() == b.data_ptr() - second[0].data_ptr()
+    first[1].fill_(7)
+    second[1].fill_(9)
+    assert bool((first[1] == 7).all())
+
+
 def test_fresh_outputs_have_torchs_contiguous_layout() -> None:
     parts = [
         ((2, 0, 3), torch.float32),
