@@ -109,6 +109,13 @@ sanitize_scoring() {
   done
 }
 
+# The scoring kernel's GPU tests, the speed table NAME and the sanitizers: scoring_checks NAME
+scoring_checks() {
+  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
+  speed_table "$1"
+  sanitize_scoring
+}
+
 if [ "$PART" = review ]; then
   # After the review mends (one launch-preparation cache per device; the index's Hopper branch no longer sizes the
   # Triton grid): the tests, the speed table, and compute-sanitizer memcheck and racecheck of the scoring kernels.
@@ -124,18 +131,14 @@ if [ "$PART" = shift ]; then
   # 500 -> 430 a step with the copies and the product). Prediction: 128K 1.55 -> 1.35-1.45 ms, 32K 0.171 ->
   # 0.150-0.160, 4 x 128K 6.2 -> 5.4-5.8; 0 differing pairs. Then compute-sanitizer on the new path.
   # (Measured at 7b8d2ff: 1.474 ms, 0.167, 5.97: -5%, under the prediction.)
-  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  speed_table shift
-  sanitize_scoring
+  scoring_checks shift
 fi
 
 if [ "$PART" = unchecked ]; then
   # Steps whose 64 keys are all candidates copy them with no bounds predicate and one 64-bit add a row (the
   # SASS: 8 copies from ~112 to ~55 instructions a step). Prediction: 128K 1.474 -> 1.40-1.44 ms, 4 x 128K
   # 5.97 -> 5.7-5.85; 0 differing pairs; sanitizers clean.
-  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  speed_table unchecked
-  sanitize_scoring
+  scoring_checks unchecked
 fi
 
 if [ "$PART" = sampled ]; then
@@ -144,11 +147,9 @@ if [ "$PART" = sampled ]; then
   # tile of fewer than 128 rows). At 32K a tile has about two steps, both of which ran the exact path.
   # Prediction: 32K 0.164 -> 0.135-0.150 ms, 128K 1.440 -> 1.37-1.42, 4 x 128K 5.88 -> 5.6-5.8; 0 differing
   # pairs; sanitizers clean.
-  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
   FPV2_INDEX_SCORING=auto gpu_tests index-auto 300 packages/fpv2-index/tests/test_triton_index.py \
     packages/fpv2-index/tests/test_index_api.py packages/fpv2-index/tests/test_triton_index_variants.py -m gpu
-  speed_table sampled
-  sanitize_scoring
+  scoring_checks sampled
 fi
 
 if [ "$PART" = pipeline ]; then
@@ -208,9 +209,7 @@ if [ "$PART" = refactor ]; then
   # logits of keys past the candidates to -inf: their energies are never stored): the tests, the speed table
   # (expected unchanged) and the sanitizers; then where the host time of an eager call goes (cProfile of the
   # corrected 128K page-1 call, no torch.profiler in the process: launch_pool costs 159 us there).
-  gpu_tests scoring 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  speed_table refactor
-  sanitize_scoring
+  scoring_checks refactor
   with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
     --cprofile --out "$RESULTS/cprofile" > "$RESULTS/cprofile-131072.txt" 2>&1
   echo "cprofile: rc=$?"

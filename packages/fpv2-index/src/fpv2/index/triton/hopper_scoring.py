@@ -8,11 +8,11 @@ sm_90 GPU, a library built with the Hopper code, bf16 or fp16 queries, head dims
 every row scored, at most 16384 key blocks per request) and the Triton pass elsewhere; ``triton`` always takes
 the Triton pass; ``hopper`` requires the kernel and raises where it cannot serve.
 
-On the H200 the Hopper kernel is the faster of the two (scoring kernel alone, identical indexes: 1.435 against
-1.537 ms at 128K, 0.156 against 0.172 ms at 32K, 5.87 against 6.20 ms at 4 x 128K), its launch takes less host
-time than the Triton pass's, and the whole eager selection call is 4-8% faster (1.82 against 1.90-1.92 ms at
-128K, 6.26 against 6.78-6.81 ms at 4 x 128K), prefix-sum launch included (``benchmarks/NOTES.md``, 2026-12-04,
-eighteenth session).
+On the H200 the Hopper kernel is the faster of the two (scoring kernel alone, identical indexes: 1.449 against
+1.557 ms at 128K, 0.155 against 0.171 ms at 32K, 5.79 against 6.26 ms at 4 x 128K), its launch takes less host
+time than the Triton pass's, and the whole eager selection call is 2-8% faster (1.77-1.78 against 1.85-1.87 ms
+at 128K, 0.263-0.267 against 0.269-0.277 ms at 32K, 6.22-6.26 against 6.70-6.76 ms at 4 x 128K), prefix-sum
+launch included (``benchmarks/results/2026-12-04-h200-hopper-scoring/refactor-bc22149/``, the landed kernel).
 """
 
 from __future__ import annotations

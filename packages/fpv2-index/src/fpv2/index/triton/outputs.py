@@ -65,8 +65,8 @@ def _layout(
 ) -> tuple[torch.dtype, int, tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, int], ...]]:
     """The buffer's unit dtype, its length in units and each part's (shape, strides, dtype, offset).
 
-    Memoised: the same parts come back on every layer of a forward pass (the pooling's seven parts were
-    a third of its launch's host time in the pipeline, 2026-12-04).
+    Memoised: the same parts come back on every layer of a forward pass (making the pooling's seven outputs
+    was about half of its launch's host time in the pipeline, 2026-12-04).
     """
     dtypes = {dtype for _, dtype in parts}
     unit = torch.uint8 if len(dtypes) != 1 else next(iter(dtypes))
