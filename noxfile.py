@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 
 import nox
@@ -21,14 +22,47 @@ PACKAGES = [f"./packages/fpv2-{name}" for name in ("kernel", "index", "correctio
 TORCH = os.environ.get("FPV2_TORCH_SPEC", "torch==2.13.0")
 TRITON = os.environ.get("FPV2_TRITON_SPEC", "triton==3.6.0")
 BUILD_REQUIREMENTS = ["scikit-build-core>=0.10", "nvidia-cutlass==4.2.0.0", "cmake>=3.26", "ninja"]
+WHEEL_DIR = "dist"
 TEST_REQUIREMENTS = ["pytest>=8", "hypothesis>=6", "numpy", "tqdm", "rich", "matplotlib", "packaging"]
 
 
+def _build_wheels(session: nox.Session) -> list[str]:
+    """Build the four wheels into ``dist/`` (no build isolation: one CUTLASS pin) and return their paths.
+
+    The kernel wheel compiles its native library here (about 6 minutes on 2 cores), so every session
+    that needs the project installs these files rather than building again.
+    """
+    shutil.rmtree(WHEEL_DIR, ignore_errors=True)
+    session.run("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", WHEEL_DIR, *PACKAGES)
+    return _built_wheels(session)
+
+
+def _built_wheels(session: nox.Session) -> list[str]:
+    """The wheels in ``dist/``: exactly one per package, at the version its ``_version.py`` names."""
+    wheels = sorted(glob.glob(os.path.join(WHEEL_DIR, "*.whl")))
+    expected = sorted(f"{name}-{version}-" for name, version in _package_versions().items())
+    found = sorted("-".join(os.path.basename(wheel).split("-")[:2]) + "-" for wheel in wheels)
+    if found != expected:
+        session.error(f"expected wheels {expected} in {WHEEL_DIR}/, found {[os.path.basename(w) for w in wheels]}")
+    session.log("wheels: " + ", ".join(os.path.basename(w) for w in wheels))
+    return wheels
+
+
+def _package_versions() -> dict[str, str]:
+    """``{"fpv2_kernel": "0.1.5", ...}`` read from each package's ``_version.py`` (wheel name spelling)."""
+    versions = {}
+    for package in PACKAGES:
+        component = package.rsplit("-", 1)[1]
+        with open(os.path.join(package, "src", "fpv2", component, "_version.py"), encoding="utf-8") as source:
+            versions[f"fpv2_{component}"] = re.search(r'__version__ = "([^"]+)"', source.read()).group(1)
+    return versions
+
+
 def _install_project(session: nox.Session) -> None:
-    """Install torch, the build backend and the four wheels (no build isolation: one CUTLASS pin)."""
+    """Install torch, the build backend and the four wheels, built once into ``dist/``."""
     session.install(TORCH, TRITON)
     session.install(*BUILD_REQUIREMENTS, *TEST_REQUIREMENTS)
-    session.install("--no-build-isolation", "--no-deps", *PACKAGES)
+    session.install("--no-deps", *_build_wheels(session))
 
 
 def _native_expected() -> bool:
@@ -120,14 +154,17 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """The four wheels into ``dist/`` (the kernel wheel compiles its native library when nvcc is found)."""
+    """The four wheels into ``dist/`` (the kernel wheel compiles its native library when nvcc is found).
+
+    ``nox -s build -- --reuse`` builds nothing: it checks the wheels an earlier session of this
+    checkout (``tests``, ``demo``) left in ``dist/``, one per package at its current version. CI uses it
+    so the native library compiles once.
+    """
+    if "--reuse" in session.posargs:
+        _built_wheels(session)
+        return
     session.install(*BUILD_REQUIREMENTS, "pip")
-    shutil.rmtree("dist", ignore_errors=True)
-    session.run("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", "dist", *PACKAGES)
-    wheels = sorted(glob.glob("dist/*.whl"))
-    session.log("built: " + ", ".join(os.path.basename(w) for w in wheels))
-    if len(wheels) != len(PACKAGES):
-        session.error(f"expected {len(PACKAGES)} wheels, got {wheels}")
+    _build_wheels(session)
 
 
 @nox.session
