@@ -1,0 +1,160 @@
+"""What carrying the mean correction in the scoring pass would cost: pass 1 with the pooled terms, measured.
+
+For each ``--shapes`` entry (``BxL``, planted bf16 workload, 32/8 heads, d = 128, page 1), the pooled statistics
+are made once as the pipeline makes them (prepared keys, bf16 pooled copies); then, each kernel's own GPU time
+from torch.profiler (median over ``--repeats`` profiled calls):
+
+* ``corrected``: :func:`fpv2.index.triton.corrected_scoring.score_with_correction` (energies and the eligible
+  pooled terms of every row);
+* ``energies_only``: the same kernel without the pooled terms (the row-major orientation's own cost);
+* ``select_triton`` / ``select_hopper``: the index's selection call with each scoring pass (its kernels);
+* ``attention_corrected`` / ``attention_plain``: the pipeline's attention kernel (Hopper backend) with and
+  without the correction, i.e. what the correction costs where it runs today.
+
+A spot check compares the corrected pass with a float64 reference on a few tiles of request 0 (head 0).
+
+Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native library):
+``python benchmarks/corrected_scoring_speed.py --shapes 1x32768 1x131072 4x131072 --out corrected-scoring.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from fpv2.index.config import SelectionConfig
+from fpv2.index.triton import pool_blocks_triton, select_blocks_triton
+from fpv2.index.triton.corrected_scoring import TILE_ROWS, score_with_correction
+from fpv2.index.triton.hopper_scoring import SCORING_ENV
+from fpv2.kernel.testing import planted_workload
+from fpv2.serving.environment import git_commit, gpu_name
+from fpv2.serving.pipeline import SparsePrefillPipeline
+
+LOG2E = math.log2(math.e)
+
+
+def kernel_times(call, device: torch.device, repeats: int) -> dict[str, float]:
+    """Median GPU microseconds per kernel name over ``repeats`` profiled calls (after a warm-up call)."""
+    call()
+    torch.cuda.synchronize(device)
+    samples: dict[str, list[float]] = {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            call()
+        torch.cuda.synchronize(device)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            samples.setdefault(event.name[:80], []).append(event.device_time_total)
+    return {name: round(statistics.median(v), 1) for name, v in samples.items() if len(v) >= repeats}
+
+
+def spot_check(args: dict, got, group: int, tiles: list[int]) -> dict[str, float]:
+    """Largest errors of ``got`` against float64 on ``tiles`` of request 0, KV head 0."""
+    q_len = int(args["cu_seqlens_q"][1])
+    prefix = int(args["seqlens_k"][0]) - q_len
+    nb = int(args["block_offsets"][1])
+    bk = args["block_size"]
+    keys = args["keys"][:nb, 0].double()
+    values = args["values"][:nb, 0].double()
+    lengths = args["block_lengths"][:nb].double()
+    worst = {"energy_vs_peak": 0.0, "lse": 0.0, "out_relative": 0.0}
+    for t in tiles:
+        rows = torch.arange(t * TILE_ROWS, min((t + 1) * TILE_ROWS, q_len * group), device=keys.device)
+        tokens, heads, pos = rows // group, rows % group, prefix + rows // group
+        s = args["q"][tokens, heads].double() @ keys.T
+        num_scored = (int(pos[-1]) + 1) // bk
+        if num_scored == 0:
+            continue
+        ids = torch.arange(nb, device=keys.device)
+        visible = (ids[None, :] * bk <= pos[:, None]) & (ids[None, :] < num_scored)
+        energy = torch.logsumexp(torch.where(visible, s, -math.inf) / LOG2E, dim=0)[:num_scored] * LOG2E
+        peak = energy.max()
+        got_energy = got.energies[0, 0, t, :num_scored].double()
+        rel = ((got_energy - peak).clamp(min=-100) - (energy - peak).clamp(min=-100)).abs().max()
+        worst["energy_vs_peak"] = max(worst["energy_vs_peak"], float(rel))
+        ne = int(pos[0]) // bk
+        if ne == 0:
+            continue
+        logits = s[:, :ne] + torch.log2(lengths[:ne])[None, :]
+        lse = torch.logsumexp(logits / LOG2E, dim=1) * LOG2E
+        out = torch.softmax(logits / LOG2E, dim=1) @ values[:ne]
+        worst["lse"] = max(worst["lse"], float((got.lse[tokens, heads].double() - lse).abs().max()))
+        diff = (got.out[tokens, heads].double() - out).norm() / out.norm()
+        worst["out_relative"] = max(worst["out_relative"], float(diff))
+    return worst
+
+
+def row(batch: int, length: int, repeats: int, alpha: float, device: torch.device) -> dict:
+    w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=1, device=device)
+    stats = pool_blocks_triton(
+        w.k_cache, w.v_cache, w.batch, query_dtype=w.q.dtype, pooled_copy_dtype=torch.bfloat16
+    )  # fmt: skip
+    args = dict(
+        q=w.q,
+        cu_seqlens_q=w.batch.cu_seqlens_q,
+        seqlens_k=w.batch.seqlens_k,
+        keys=stats.prepared_keys.keys,
+        values=stats.pooled_copies.v,
+        block_lengths=stats.block_lengths,
+        block_offsets=stats.block_offsets,
+        max_seqlen_q=length,
+        max_seqlen_k=length,
+        block_size=stats.block_size,
+    )
+    times = {
+        "corrected": kernel_times(lambda: score_with_correction(**args), device, repeats),
+        "energies_only": kernel_times(lambda: score_with_correction(**args, accumulate=False), device, repeats),
+    }
+    config = SelectionConfig(alpha=alpha)
+    for mode in ("triton", "hopper"):
+        os.environ[SCORING_ENV] = mode
+        times[f"select_{mode}"] = kernel_times(
+            lambda: select_blocks_triton(w.q, w.batch, stats, config=config), device, repeats
+        )
+    os.environ.pop(SCORING_ENV, None)
+    for name, correction in (("attention_corrected", True), ("attention_plain", False)):
+        pipeline = SparsePrefillPipeline(config, backend="hopper", correction=correction)
+        call = partial(pipeline, w.q, w.k_cache, w.v_cache, w.batch)
+        times[name] = kernel_times(call, device, max(3, repeats // 3))
+    got = score_with_correction(**args)
+    tiles_per_head = -(-length * 4 // TILE_ROWS)
+    check = spot_check(args, got, group=4, tiles=[0, 1, tiles_per_head // 2, tiles_per_head - 1])
+    return {"B": batch, "L": length, "alpha": alpha, "kernels_us": times, "spot_check_max_errors": check}
+
+
+def summary(result: dict) -> str:
+    lines = [f"{result['B']} x {result['L']}: spot check {result['spot_check_max_errors']}"]
+    for call, kernels in result["kernels_us"].items():
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"  {call}: " + ", ".join(f"{name[:48]} {us} us" for name, us in top))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["1x32768", "1x131072", "4x131072"], help="BxL entries")
+    parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for shape in args.shapes:
+        batch, length = (int(x) for x in shape.lower().split("x"))
+        result = row(batch, length, args.repeats, args.alpha, device)
+        result.update(gpu=gpu_name(device), commit=git_commit())
+        rows.append(result)
+        print(summary(result), flush=True)
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
