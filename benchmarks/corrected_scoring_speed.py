@@ -7,9 +7,11 @@ from torch.profiler (median over ``--repeats`` profiled calls):
 * ``corrected``: :func:`fpv2.index.triton.corrected_scoring.score_with_correction` (energies and the eligible
   pooled terms of every row);
 * ``energies_only``: the same kernel without the pooled terms (the row-major orientation's own cost);
+* ``terms_only``: without the energies (a plain online softmax over the eligible pooled keys: what a separate
+  pooled-attention pass would cost), and launch-shape variants (:data:`VARIANTS`);
 * ``select_triton`` / ``select_hopper``: the index's selection call with each scoring pass (its kernels);
-* ``attention_corrected`` / ``attention_plain``: the pipeline's attention kernel (Hopper backend) with and
-  without the correction, i.e. what the correction costs where it runs today.
+* ``hopper_attention_corrected`` / ``_plain`` (and ``triton_...``): the pipeline's kernels with the Hopper and
+  the Triton attention backends, with and without the correction: what the correction costs where it runs today.
 
 A spot check compares the corrected pass with a float64 reference on a few tiles of request 0 (head 0).
 
@@ -38,6 +40,15 @@ from fpv2.serving.environment import git_commit, gpu_name
 from fpv2.serving.pipeline import SparsePrefillPipeline
 
 LOG2E = math.log2(math.e)
+#: The pass's variants timed: both halves, each half alone, and the launch shape.
+VARIANTS = {
+    "corrected": {},
+    "energies_only": {"accumulate": False},
+    "terms_only": {"energies": False},
+    "corrected_4_warps": {"num_warps": 4},
+    "corrected_block_n_32": {"block_n": 32},
+    "terms_only_3_stages": {"energies": False, "num_stages": 3},
+}
 
 
 def kernel_times(call, device: torch.device, repeats: int) -> dict[str, float]:
@@ -109,8 +120,8 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
         block_size=stats.block_size,
     )
     times = {
-        "corrected": kernel_times(lambda: score_with_correction(**args), device, repeats),
-        "energies_only": kernel_times(lambda: score_with_correction(**args, accumulate=False), device, repeats),
+        name: kernel_times(partial(score_with_correction, **args, **options), device, repeats)
+        for name, options in VARIANTS.items()
     }
     config = SelectionConfig(alpha=alpha)
     for mode in ("triton", "hopper"):
@@ -119,10 +130,11 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
             lambda: select_blocks_triton(w.q, w.batch, stats, config=config), device, repeats
         )
     os.environ.pop(SCORING_ENV, None)
-    for name, correction in (("attention_corrected", True), ("attention_plain", False)):
-        pipeline = SparsePrefillPipeline(config, backend="hopper", correction=correction)
-        call = partial(pipeline, w.q, w.k_cache, w.v_cache, w.batch)
-        times[name] = kernel_times(call, device, max(3, repeats // 3))
+    for backend in ("hopper", "triton"):
+        for name, correction in (("corrected", True), ("plain", False)):
+            pipeline = SparsePrefillPipeline(config, backend=backend, correction=correction)
+            call = partial(pipeline, w.q, w.k_cache, w.v_cache, w.batch)
+            times[f"{backend}_attention_{name}"] = kernel_times(call, device, max(3, repeats // 3))
     got = score_with_correction(**args)
     tiles_per_head = -(-length * 4 // TILE_ROWS)
     check = spot_check(args, got, group=4, tiles=[0, 1, tiles_per_head // 2, tiles_per_head - 1])

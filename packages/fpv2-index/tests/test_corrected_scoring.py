@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from fpv2.index.triton.corrected_scoring import TILE_ROWS, score_with_correction
+from fpv2.kernel.triton.relaunch import interpreter_enabled
 
 LOG2E = math.log2(math.e)
+# The compiled kernel on a GPU (fp32 operands take IEEE products there), the interpreter on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_enabled() else "cpu"
 
 
-def _inputs(q_lens, kv_lens, hq, hkv, d, block_size, seed, device="cpu"):
+def _inputs(q_lens, kv_lens, hq, hkv, d, block_size, seed, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
     total_q = sum(q_lens)
     q = torch.randn(total_q, hq, d, generator=gen)
@@ -121,12 +124,18 @@ def test_matches_reference(case):
     _assert_correction_match(got, out, lse)
 
 
-def test_energies_only_matches_accumulating_pass():
+def test_each_half_alone_matches_the_whole_pass():
     args = _inputs([150], [300], 8, 2, 32, 16, seed=3)
     both = score_with_correction(**args, block_n=16, num_warps=4)
-    alone = score_with_correction(**args, accumulate=False, block_n=16, num_warps=4)
-    assert alone.out is None and alone.lse is None
-    torch.testing.assert_close(alone.energies, both.energies, rtol=0, atol=0)
+    energies = score_with_correction(**args, accumulate=False, block_n=16, num_warps=4)
+    assert energies.out is None and energies.lse is None
+    torch.testing.assert_close(energies.energies, both.energies, rtol=0, atol=0)
+    terms = score_with_correction(**args, energies=False, block_n=16, num_warps=4)
+    assert terms.energies is None
+    torch.testing.assert_close(terms.out, both.out, rtol=0, atol=0)
+    torch.testing.assert_close(terms.lse, both.lse, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="nothing to compute"):
+        score_with_correction(**args, energies=False, accumulate=False)
 
 
 def test_rows_far_below_the_peak():

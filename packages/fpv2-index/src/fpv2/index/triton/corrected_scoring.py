@@ -52,16 +52,35 @@ class CorrectedScores:
     Attributes:
         energies: ``(B, Hkv, tiles, blocks) float32`` log2 block energies ``L_J`` of every scored block of every
             tile (``tiles`` and ``blocks``: the batch's largest counts); entries past a tile's scored blocks are
-            ``-inf``.
+            ``-inf``; None without ``energies``.
         out: ``(total_q, Hq, d)`` in the pooled values' dtype: the eligible pooled terms' softmax average per
-            query row (zeros where a row has no eligible block).
+            query row (zeros where a row has no eligible block); None without ``accumulate``.
         lse: ``(total_q, Hq) float32``: ``log2`` of the row's pooled terms' total weight in log2 logit units
             (``-inf`` where a row has no eligible block); None without ``accumulate``.
     """
 
-    energies: torch.Tensor
+    energies: torch.Tensor | None
     out: torch.Tensor | None
     lse: torch.Tensor | None
+
+
+@triton.jit
+def _load_rows(base, ids, stride, rows_ok, head_dim, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Rows ``ids`` of a ``(blocks, d)`` operand (rows not ``rows_ok`` read as 0 when ``MASKED``).
+
+    With ``d = BLOCK_D`` there is no feature mask: a per-element mask on the contiguous axis stops Triton from
+    vectorising the load, and unvectorised 2-byte loads are not pipelined through ``cp.async``.
+    """
+    dims = tl.arange(0, BLOCK_D)
+    ptrs = base + ids.to(tl.int64)[:, None] * stride + dims[None, :]
+    if EVEN_D:
+        if MASKED:
+            rows = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            rows = tl.load(ptrs)
+    else:
+        rows = tl.load(ptrs, mask=rows_ok[:, None] & (dims < head_dim)[None, :], other=0.0)
+    return rows
 
 
 @triton.jit
@@ -75,52 +94,53 @@ def _step(
     start,
     num_scored,
     num_eligible,
-    masked,
     m_i,
     l_i,
     acc,
     stride_k_block,
     stride_v_block,
-    dims,
-    dim_ok,
+    head_dim,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ENERGIES: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One step of ``BLOCK_N`` pooled keys: logits, the blocks' energies, the eligible blocks' pooled terms.
 
-    ``masked``: rows see blocks up to their own position (the tile's last steps); otherwise every row sees every
-    block of the step. Returns the updated running row maxima, weights and weighted value sums.
+    ``MASKED``: rows see blocks up to their own position (the tile's last steps); otherwise every row sees every
+    block of the step, and every block of the step is scored. Returns the updated running row maxima, weights and
+    weighted value sums.
     """
     ids = start + tl.arange(0, BLOCK_N)
     scored = ids < num_scored
-    kb = tl.load(keys_base + ids[:, None] * stride_k_block + dims[None, :], mask=scored[:, None] & dim_ok[None, :])
+    kb = _load_rows(keys_base, ids, stride_k_block, scored, head_dim, BLOCK_D, MASKED, EVEN_D)
     if IEEE:  # fp32 operands: IEEE products, not TF32 (tests against float64)
         s = tl.dot(q, tl.trans(kb), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(kb))
-    if masked:
+    if MASKED:
         visible = (ids[None, :] * BLOCK_SIZE <= positions[:, None]) & scored[None, :]
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
-    peak = tl.max(m_new, axis=0)
-    weight = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m_safe - peak))
-    energy = peak + tl.log2(tl.sum(p * weight[:, None], axis=0))
-    tl.store(energies_row + ids, energy, mask=scored)
+    if ENERGIES:
+        peak = tl.max(m_new, axis=0)
+        weight = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m_safe - peak))
+        energy = peak + tl.log2(tl.sum(p * weight[:, None], axis=0))
+        tl.store(energies_row + ids, energy, mask=scored)
     if ACCUMULATE:
+        # Blocks past the eligible range weigh 0 (an unmasked step reads them: they are scored, so in bounds).
         eligible = ids < num_eligible
         lengths = tl.load(lengths_base + ids, mask=eligible, other=0).to(tl.float32)
         p = p * lengths[None, :]
         rescale = tl.exp2(m_i - m_safe)
         l_i = l_i * rescale + tl.sum(p, axis=1)
-        vb = tl.load(
-            values_base + ids[:, None] * stride_v_block + dims[None, :],
-            mask=eligible[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
+        vb = _load_rows(values_base, ids, stride_v_block, eligible, head_dim, BLOCK_D, MASKED, EVEN_D)
         if IEEE:
             acc = acc * rescale[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
         else:
@@ -158,9 +178,11 @@ def _corrected_scoring_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ENERGIES: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     USE_WHILE: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     req = tl.program_id(2)
     head = tl.program_id(1)
@@ -204,25 +226,32 @@ def _corrected_scoring_kernel(
     # take a loaded value as a range() bound.
     if USE_WHILE:
         start = num_unmasked * 0
+        while start < num_unmasked:
+            m_i, l_i, acc = _step(
+                q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
+                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, False, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
+            )  # fmt: skip
+            start += BLOCK_N
         while start < num_scored:
             m_i, l_i, acc = _step(
                 q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
-                num_eligible, start >= num_unmasked, m_i, l_i, acc, stride_k_block, stride_v_block, dims, dim_ok,
-                BLOCK_SIZE, BLOCK_N, ACCUMULATE, IEEE,
+                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, True, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in range(0, num_unmasked, BLOCK_N):
             m_i, l_i, acc = _step(
                 q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
-                num_eligible, False, m_i, l_i, acc, stride_k_block, stride_v_block, dims, dim_ok,
-                BLOCK_SIZE, BLOCK_N, ACCUMULATE, IEEE,
+                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, False, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
             )  # fmt: skip
         for start in range(num_unmasked, num_scored, BLOCK_N):
             m_i, l_i, acc = _step(
                 q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
-                num_eligible, True, m_i, l_i, acc, stride_k_block, stride_v_block, dims, dim_ok,
-                BLOCK_SIZE, BLOCK_N, ACCUMULATE, IEEE,
+                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, True, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
             )  # fmt: skip
     if ACCUMULATE:
         has_terms = l_i > 0
@@ -259,6 +288,7 @@ def score_with_correction(
     max_seqlen_k: int,
     block_size: int = 128,
     accumulate: bool = True,
+    energies: bool = True,
     block_n: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
@@ -278,7 +308,9 @@ def score_with_correction(
         max_seqlen_q: the batch's longest query (sizes the grid and the energies).
         max_seqlen_k: the batch's longest key sequence (sizes the energies).
         block_size: tokens per key block.
-        accumulate: also accumulate the correction's pooled terms (off: energies only, the same orientation).
+        accumulate: accumulate the correction's pooled terms (off: energies only, the same orientation).
+        energies: compute and store the block energies (off: the pooled terms only, a plain online softmax over
+            the eligible pooled keys, to measure what the energies cost).
         block_n: pooled keys per step.
         num_warps: warps per program.
         num_stages: software-pipeline depth of the pooled-key loads.
@@ -315,22 +347,32 @@ def score_with_correction(
     group = num_q_heads // num_kv_heads
     tiles = num_query_tiles(max_seqlen_q, group, TILE_ROWS)
     blocks = -(-max_seqlen_k // block_size)
-    energies = torch.full((batch, num_kv_heads, tiles, blocks), float("-inf"), dtype=torch.float32, device=q.device)
+    if not (energies or accumulate):
+        raise ValueError("energies=False and accumulate=False leave the pass nothing to compute")
+    energies_out = None
+    if energies:
+        energies_out = torch.full(
+            (batch, num_kv_heads, tiles, blocks), float("-inf"), dtype=torch.float32, device=q.device
+        )
     out = lse = None
     if accumulate:
         out = torch.zeros((total_q, num_q_heads, head_dim), dtype=values.dtype, device=q.device)
         lse = torch.full((total_q, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
-    out_arg = out if out is not None else energies
-    lse_arg = lse if lse is not None else energies
+    # Absent outputs: any tensor of the call stands in for the pointer (the kernel never touches it).
+    e_arg = energies_out if energies_out is not None else lse
+    out_arg = out if out is not None else e_arg
+    lse_arg = lse if lse is not None else e_arg
+    e_strides = energies_out.stride()[:3] if energies_out is not None else (0, 0, 0)
     _corrected_scoring_kernel[(tiles, num_kv_heads, batch)](
-        q, keys, values, block_lengths, cu_seqlens_q, seqlens_k, block_offsets, energies, out_arg, lse_arg,
+        q, keys, values, block_lengths, cu_seqlens_q, seqlens_k, block_offsets, e_arg, out_arg, lse_arg,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
         lse.stride(0) if lse is not None else 0,
-        energies.stride(0), energies.stride(1), energies.stride(2),
+        *e_strides,
         group, head_dim,
         TILE=TILE_ROWS, BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        ACCUMULATE=accumulate, USE_WHILE=interpreter_enabled(), IEEE=keys.dtype == values.dtype == torch.float32,
+        ENERGIES=energies, ACCUMULATE=accumulate, USE_WHILE=interpreter_enabled(),
+        IEEE=keys.dtype == values.dtype == torch.float32, EVEN_D=head_dim == triton.next_power_of_2(head_dim),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return CorrectedScores(energies=energies, out=out, lse=lse)
+    return CorrectedScores(energies=energies_out, out=out, lse=lse)
