@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import same_output_in_and_out_of_inference_mode
+from conftest import hopper_runs_here, same_output_in_and_out_of_inference_mode
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference.attention import dense_attention
@@ -75,3 +75,30 @@ def test_pipeline_on_cuda_runs_in_and_out_of_inference_mode(page_size):
     out = same_output_in_and_out_of_inference_mode(SparsePrefillPipeline(SelectionConfig(min_sparse_kv_len=0)), w)
     want = dense_attention(w.q, w.k_cache, w.v_cache, w.batch)
     assert float((out.float() - want).norm() / want.norm()) < 0.1
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(not hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_hopper_pipeline_runs_on_the_copy_the_pooling_made(monkeypatch, page_size, correction):
+    # At small pages the Hopper backend copies K/V into tile pages; the pooling kernel now writes that copy.
+    from fpv2.serving.backends import HopperBackend
+
+    monkeypatch.setenv("FPV2_HOPPER_REPACK", "1")  # always through the copy at pages below 128 tokens
+    w = planted_workload(
+        [3000, 700], [3000, 1500], num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    config = SelectionConfig(min_sparse_kv_len=0)
+    pipeline = SparsePrefillPipeline(config, correction=correction, backend="hopper")
+    got = pipeline(w.q, w.k_cache, w.v_cache, w.batch)
+    assert pipeline.backend.last_kv_layout == "tile-repack" and pipeline.backend.last_copy_pooled
+    # The same call with the backend's own copy launch: the same tile pages, so the same bits.
+    monkeypatch.setattr(HopperBackend, "tile_copies_for", lambda self, *args: None)
+    own = SparsePrefillPipeline(config, correction=correction, backend="hopper")
+    want = own(w.q, w.k_cache, w.v_cache, w.batch)
+    assert own.backend.last_kv_layout == "tile-repack" and own.backend.last_copy_pooled is False
+    assert torch.equal(got.out, want.out)
+    ref = dense_attention(w.q, w.k_cache, w.v_cache, w.batch)
+    assert rel_err(got.out, ref) < 0.1

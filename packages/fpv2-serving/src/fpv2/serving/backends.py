@@ -18,7 +18,7 @@ without materialised masks (no per-segment host work).
 from __future__ import annotations
 
 import os
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -26,6 +26,9 @@ from fpv2.kernel import BLOCK_SIZE, BlockIndex, CorrectionPlan, PagedPrefillBatc
 
 from .fallback_backend import FallbackBackend
 from .tile_repack_policy import should_repack
+
+if TYPE_CHECKING:
+    from fpv2.kernel.triton.tile_repack import TileRepacked
 
 #: Name that asks for the best available backend.
 AUTO = "auto"
@@ -253,6 +256,9 @@ class HopperBackend:
     #: How the last call's K/V reached the kernel: ``"paged"`` (the caller's cache) or ``"tile-repack"``
     #: (copied into 128-token pages first); None before the first call.
     last_kv_layout: str | None = None
+    #: Whether the last call's tile-page copy came from the pooling kernel (``tile_copies``) rather than a copy
+    #: launch of its own; None before the first call.
+    last_copy_pooled: bool | None = None
 
     def serves(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None
@@ -326,6 +332,25 @@ class HopperBackend:
         # memory check might also have changed its mind since).
         return self._cache_layout_problem(k_cache) is not None or should_repack(batch, self.kv_tile, k_cache=k_cache)
 
+    def tile_copies_for(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch
+    ) -> TileRepacked | None:
+        """Empty tile pages for this call's K/V when it will run on the copy, for the pooling kernel to fill.
+
+        The pipeline asks before pooling: the pooling kernel reads every token of the caches anyway, so it
+        writes the copy (:func:`fpv2.index.triton.pool_blocks_triton` with ``tile_copies``) and :meth:`run`
+        takes it (``tile_copies=``) instead of copying again: one read of the batch's K/V and one launch less.
+
+        Returns:
+            :func:`~fpv2.kernel.triton.tile_repack.allocate_tile_pages` for the call, or None when this backend
+            does not serve it or reads the caches as they are.
+        """
+        if self.serves(q, k_cache, batch, None) is not None or not self._copies(k_cache, batch):
+            return None
+        from fpv2.kernel.triton.tile_repack import allocate_tile_pages
+
+        return allocate_tile_pages(k_cache, v_cache, batch)
+
     @staticmethod
     def _cache_layout_problem(cache: torch.Tensor) -> str | None:
         """Why the kernel cannot view ``cache`` as a ``(num_pages * page_size, Hkv * d)`` row matrix, or None."""
@@ -378,6 +403,7 @@ class HopperBackend:
         q_descale: torch.Tensor | None,
         k_descale: torch.Tensor | None,
         v_descale: torch.Tensor | None,
+        tile_copies: TileRepacked | None = None,
     ) -> torch.Tensor:
         """Run ``fpv2.kernel._native.hopper_prefill`` into a fresh output tensor.
 
@@ -386,13 +412,18 @@ class HopperBackend:
         first copied into tile pages when :func:`~fpv2.serving.tile_repack_policy.should_repack`
         says so (the kernel then runs its TMA path; ``FPV2_HOPPER_REPACK`` overrides), and
         always for caches the kernel cannot read as they are (``serves`` took them for the copy).
+        ``tile_copies``: that copy, already made (:meth:`tile_copies_for`, filled by the pooling kernel).
 
         Returns:
             ``(total_q, Hq, d)`` output.
         """
         from fpv2.kernel._native import hopper_prefill
 
-        if self._copies(k_cache, batch):
+        self.last_copy_pooled = tile_copies is not None
+        if tile_copies is not None:
+            k_cache, v_cache, batch = tile_copies.k_cache, tile_copies.v_cache, tile_copies.batch
+            self.last_kv_layout = "tile-repack"
+        elif self._copies(k_cache, batch):
             # Small pages: one copy of the call's KV into tile pages, then the TMA path (tile_repack_policy).
             from fpv2.kernel.triton.tile_repack import repack_to_tile_pages
 

@@ -74,6 +74,15 @@ class FallbackBackend:
         self.last_choice = (chosen.name, reason)
         return chosen
 
+    def tile_copies_for(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch):
+        """The primary's empty tile pages for the call, if it has such a method and will run the call on them.
+
+        Returns:
+            The primary's ``tile_copies_for(...)`` result, or None.
+        """
+        offer = getattr(self.primary, "tile_copies_for", None)
+        return offer(q, k_cache, v_cache, batch) if callable(offer) else None
+
     def run(
         self,
         q: torch.Tensor,
@@ -82,16 +91,19 @@ class FallbackBackend:
         batch: PagedPrefillBatch,
         index: BlockIndex,
         plan: CorrectionPlan | None,
-        **kwargs: torch.Tensor | float | None,
+        **kwargs: object,
     ) -> torch.Tensor:
         """Run the call on the primary if it serves it, else on the fallback.
 
-        Arguments as for :meth:`fpv2.serving.backends.AttentionBackend.run`.
+        Arguments as for :meth:`fpv2.serving.backends.AttentionBackend.run`; ``tile_copies`` (from
+        :meth:`tile_copies_for`) goes to the primary only.
 
         Returns:
             ``(total_q, Hq, d)`` output.
         """
         backend = self._choose(q, k_cache, batch, index)
+        if backend is not self.primary:
+            kwargs.pop("tile_copies", None)  # made for the primary: the fallback reads the caches
         return backend.run(q, k_cache, v_cache, batch, index, plan, **kwargs)
 
     def run_dense(

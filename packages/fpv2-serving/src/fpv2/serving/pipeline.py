@@ -10,7 +10,14 @@ from fpv2.correction import build_correction_plan, compute_block_statistics
 from fpv2.index import SelectionConfig, available_strategies, get_strategy
 from fpv2.index.api import _build_block_index
 from fpv2.index.strategies.max_threshold import use_triton_index
-from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch, validate_prefill_inputs
+from fpv2.kernel import (
+    BLOCK_SIZE,
+    BlockIndex,
+    BlockStatistics,
+    CorrectionPlan,
+    PagedPrefillBatch,
+    validate_prefill_inputs,
+)
 
 from .backends import AUTO, AttentionBackend, resolve_backend
 from .timing import StageClock, StageTimings
@@ -115,6 +122,13 @@ class SparsePrefillPipeline:
             f"backend={self.backend.name!r}, config={self.config!r})"
         )
 
+    def _tile_copies(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch):
+        """The backend's empty tile pages for this call, when the Triton pooling can fill them, else None."""
+        offer = getattr(self.backend, "tile_copies_for", None)
+        if not callable(offer) or self.config.block_size != BLOCK_SIZE or not use_triton_index(q):
+            return None
+        return offer(q, k_cache, v_cache, batch)
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -148,6 +162,10 @@ class SparsePrefillPipeline:
         )
         clock = StageClock(q.device)
         clock.mark("start")
+        values = self.correction or self.strategy != DENSE_STRATEGY
+        # A backend that will copy the K/V into tile pages gets the copy from the pooling kernel, which reads
+        # every token anyway (one read of the caches and one launch less; Triton pooling only).
+        tile_copies = self._tile_copies(q, k_cache, v_cache, batch) if values else None
         # Pooled K serves the index, pooled V the correction: one pass for both. Every strategy gets its
         # statistics here, the dense one too (it reads only their layout): left to build_block_index, they
         # would come from the reference pooling (31 ms and host syncs at 128K on the H200).
@@ -160,7 +178,8 @@ class SparsePrefillPipeline:
             k_descale=k_descale,
             v_descale=v_descale,
             bf16_copies=self.correction,
-            values=self.correction or self.strategy != DENSE_STRATEGY,
+            values=values,
+            tile_copies=tile_copies,
         )
         # The inputs were validated above (with V): build_block_index would check them again.
         index = _build_block_index(
@@ -201,7 +220,10 @@ class SparsePrefillPipeline:
             # Every visible block: the kernel's own dense mode is the same attention without walking a CSR.
             out = run_dense(q, k_cache, v_cache, batch, softmax_scale=scale, **descales)
         else:
-            out = self.backend.run(q, k_cache, v_cache, batch, index, plan, softmax_scale=scale, **descales)
+            copies = {"tile_copies": tile_copies} if tile_copies is not None else {}
+            out = self.backend.run(
+                q, k_cache, v_cache, batch, index, plan, softmax_scale=scale, **descales, **copies
+            )  # fmt: skip
         clock.mark("attention")
         return PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)
 
@@ -231,6 +253,7 @@ def _pool_statistics(
     *,
     bf16_copies: bool = False,
     values: bool = True,
+    tile_copies=None,
     **kw,
 ):
     """Pooled K/V: the Triton kernel where the Triton index runs, the reference elsewhere.
@@ -238,7 +261,8 @@ def _pool_statistics(
     Without ``values`` the Triton kernel pools K only (the dense strategy without the correction
     needs no pooled V); the reference pools both either way.
 
-    With ``bf16_copies`` (the correction is on) the Triton kernel also writes bf16 copies of the
+    With ``tile_copies`` (the backend's empty tile pages) the Triton kernel also copies the K/V
+    into them. With ``bf16_copies`` (the correction is on) the Triton kernel also writes bf16 copies of the
     pooled K/V, which the Hopper kernel's binding hands over instead of converting the fp32 means
     itself (two conversion kernels and their host time per call); the reference makes none.
     """
@@ -246,5 +270,9 @@ def _pool_statistics(
         from fpv2.index.triton import pool_blocks_triton  # imports triton: only on the fast path
 
         copy_dtype = torch.bfloat16 if bf16_copies else None
-        return pool_blocks_triton(k_cache, v_cache if values else None, batch, pooled_copy_dtype=copy_dtype, **kw)
+        return pool_blocks_triton(
+            k_cache, v_cache if values else None, batch, pooled_copy_dtype=copy_dtype, tile_copies=tile_copies, **kw
+        )
+    if tile_copies is not None:
+        raise ValueError("tile_copies are written by the Triton pooling kernel; this call pools on the reference")
     return compute_block_statistics(k_cache, v_cache, batch, **kw)

@@ -43,6 +43,7 @@ from fpv2.kernel.contracts import (
     num_query_tiles,
 )
 from fpv2.kernel.triton.relaunch import interpreter_enabled
+from fpv2.kernel.triton.tile_repack import TILE_TOKENS, TileRepacked
 
 from ..config import SelectionConfig
 from . import tuning
@@ -137,6 +138,7 @@ def pool_blocks_triton(
     query_dtype: torch.dtype | None = None,
     softmax_scale: float | None = None,
     pooled_copy_dtype: torch.dtype | None = None,
+    tile_copies: TileRepacked | None = None,
 ) -> TritonBlockStatistics:
     """Mean-pool every key block (and value block) of every request, straight from the paged cache.
 
@@ -156,6 +158,11 @@ def pool_blocks_triton(
     means rounded to nearest even, what ``.to(torch.bfloat16)`` makes of them), which the
     Hopper kernel's binding then hands over instead of converting the means on every call.
 
+    With ``tile_copies`` (from :func:`fpv2.kernel.triton.tile_repack.allocate_tile_pages` for the same
+    caches and batch) the same launch also copies every token of K and V into those tile pages and writes
+    their page table: what :func:`~fpv2.kernel.triton.tile_repack.repack_to_tile_pages` makes in a launch
+    (and a read of the caches) of its own. Needs ``v_cache`` and ``block_size = 128``.
+
     Args:
         k_cache: ``(num_pages, page_size, Hkv, d)`` key cache (fp16, bf16, fp32 or float8_e4m3fn).
         v_cache: value cache of the same shape and dtype, or None to pool keys only.
@@ -167,6 +174,7 @@ def pool_blocks_triton(
         softmax_scale: the selection's ``SelectionConfig.softmax_scale`` (None: ``1 / sqrt(d)``).
         pooled_copy_dtype: ``torch.bfloat16`` to also write bf16 copies of the pooled K and V; None
             (the default) for none.
+        tile_copies: tile pages to fill with the batch's K and V, or None (the default).
 
     Returns:
         :class:`~.prepared_keys.TritonBlockStatistics` (a :class:`~fpv2.kernel.BlockStatistics`) with
@@ -205,6 +213,8 @@ def pool_blocks_triton(
     if pooled_copy_dtype is not None and pooled_copy_dtype != torch.bfloat16:
         raise TypeError(f"pooled_copy_dtype must be torch.bfloat16 or None, got {pooled_copy_dtype!r}")
     copies = pooled_copy_dtype is not None
+    if tile_copies is not None:
+        _check_tile_copies(tile_copies, k_cache, v_cache, batch, block_size)
     kind = dot_kind(query_dtype, interpreter_enabled())
     key_scale = logit_scale_log2(softmax_scale, k_cache.shape[3])
     total = sum(num_key_blocks(k, block_size) for k in batch.host.seqlens_k)
@@ -221,12 +231,41 @@ def pool_blocks_triton(
         key_dtype=DOT_DTYPES[kind],
         key_scale=key_scale,
         copies=copies,
+        tile_copies=tile_copies,
     )
     prepared = PreparedKeys(keys, pooled_k, version_of(pooled_k), key_scale, kind)
     pooled_copies = PooledCopies.of(k_copy, v_copy, pooled_k, pooled_v) if copies else None
     return TritonBlockStatistics(
         pooled_k, pooled_v, lengths, block_offsets, block_size, prepared_keys=prepared, pooled_copies=pooled_copies
     )
+
+
+def _check_tile_copies(
+    tile_copies: object, k_cache: torch.Tensor, v_cache: torch.Tensor | None, batch: PagedPrefillBatch, block_size: int
+) -> None:
+    """Tile pages the pooling can fill: from ``allocate_tile_pages`` for these caches and this batch."""
+    if not isinstance(tile_copies, TileRepacked):
+        raise TypeError(f"tile_copies must be a TileRepacked (allocate_tile_pages), got {type(tile_copies).__name__}")
+    if v_cache is None:
+        raise ValueError("tile_copies needs v_cache: the tile pages carry keys and values")
+    if block_size != TILE_TOKENS:
+        raise ValueError(f"tile_copies needs block_size={TILE_TOKENS} (a key block is a tile page); got {block_size}")
+    pages = sum(-(-length // TILE_TOKENS) for length in batch.host.seqlens_k)
+    shape = (max(pages, 1), TILE_TOKENS, *k_cache.shape[2:])
+    for name, tiles in (("k_cache", tile_copies.k_cache), ("v_cache", tile_copies.v_cache)):
+        if tuple(tiles.shape) != shape or tiles.dtype != k_cache.dtype or tiles.device != k_cache.device:
+            raise ValueError(
+                f"tile_copies.{name} must be {shape} {k_cache.dtype} on {k_cache.device} for this batch; got "
+                f"{_describe(tiles)}"
+            )
+        if not tiles.is_contiguous():
+            raise ValueError(f"tile_copies.{name} must be contiguous; got strides {tuple(tiles.stride())}")
+    table = tile_copies.batch.page_table
+    if table.shape[0] != batch.num_requests or table.device != k_cache.device or table.dtype != torch.int32:
+        raise ValueError(
+            f"tile_copies.batch.page_table must be ({batch.num_requests}, pages) int32 on {k_cache.device}; got "
+            f"{_describe(table)}"
+        )
 
 
 def _check_selection(

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from fpv2.kernel.triton.relaunch import Relauncher
+from fpv2.kernel.triton.tile_repack import TileRepacked
 
 from . import tuning
 from .outputs import fresh_outputs
@@ -64,6 +65,10 @@ def _pool_kernel(
     page_table_ptr,
     k_descale_ptr,
     v_descale_ptr,
+    k_tiles_ptr,
+    v_tiles_ptr,
+    tile_table_ptr,
+    stride_tile_table,
     stride_k_page,
     stride_k_slot,
     stride_k_head,
@@ -86,6 +91,7 @@ def _pool_kernel(
     HAS_V_DESCALE: tl.constexpr,
     HAS_KEYS: tl.constexpr,
     HAS_COPIES: tl.constexpr,
+    HAS_TILES: tl.constexpr,
 ):
     row = tl.program_id(0)  # global block row (block_offsets[b] + J)
     group = tl.program_id(1)  # heads group * HEADS .. group * HEADS + HEADS - 1
@@ -115,6 +121,13 @@ def _pool_kernel(
     acc_k = tl.zeros([HEADS * BLOCK_D], dtype=tl.float32)
     acc_v = tl.zeros([HEADS * BLOCK_D], dtype=tl.float32)
     table_row = page_table_ptr + b.to(tl.int64) * stride_table
+    if HAS_TILES:
+        # Block row `row` is tile page `row` (Bk = 128 and both number the requests' blocks in batch order): its
+        # token t goes to row t of the page, all heads of a token one contiguous row; request b's page `block`
+        # of the tile page table is `row`.
+        tile_cols = heads * head_dim + dims
+        tile_rows = row.to(tl.int64) * BLOCK_SIZE
+        tl.store(tile_table_ptr + b.to(tl.int64) * stride_tile_table + block, row, mask=group == 0)
     # Static trip count: the Triton 3.6 interpreter cannot take loaded values as range() bounds.
     for t0 in range(0, BLOCK_SIZE, TOKENS):
         offs = t0 + tl.arange(0, TOKENS)
@@ -125,12 +138,17 @@ def _pool_kernel(
         slot = (pos % page_size).to(tl.int64)
         mask = tok_ok[:, None] & col_ok[None, :]
         k_rows = page * stride_k_page + slot * stride_k_slot
-        k = tl.load(k_ptr + k_rows[:, None] + k_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_k += tl.sum(k, axis=0)
+        k = tl.load(k_ptr + k_rows[:, None] + k_cols[None, :], mask=mask, other=0.0)
+        acc_k += tl.sum(k.to(tl.float32), axis=0)
+        if HAS_TILES:  # the tile pages' copy of the raw tokens (zeros past the request's length)
+            tile_at = (tile_rows + offs)[:, None] * (num_kv_heads * head_dim) + tile_cols[None, :]
+            tl.store(k_tiles_ptr + tile_at, k, mask=col_ok[None, :])
         if HAS_V:
             v_rows = page * stride_v_page + slot * stride_v_slot
-            v = tl.load(v_ptr + v_rows[:, None] + v_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc_v += tl.sum(v, axis=0)
+            v = tl.load(v_ptr + v_rows[:, None] + v_cols[None, :], mask=mask, other=0.0)
+            acc_v += tl.sum(v.to(tl.float32), axis=0)
+            if HAS_TILES:
+                tl.store(v_tiles_ptr + tile_at, v, mask=col_ok[None, :])
 
     inv_len = 1.0 / length.to(tl.float32)
     k_scale = inv_len
@@ -172,6 +190,7 @@ def launch_pool(
     key_dtype: torch.dtype | None = None,
     key_scale: float = 1.0,
     copies: bool = False,
+    tile_copies: TileRepacked | None = None,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor | None,
@@ -196,6 +215,9 @@ def launch_pool(
         key_dtype: dtype of the scoring copy of the pooled keys, or None for no copy.
         key_scale: factor of the scoring copy (:func:`.prepared_keys.logit_scale_log2`).
         copies: also write bf16 copies of the pooled K (and V) (:func:`_bf16_rne` of the stored means).
+        tile_copies: tile pages to fill with the raw K and V tokens and their page table, as
+            :func:`fpv2.kernel.triton.tile_repack.repack_to_tile_pages` would (checked by the caller: needs
+            ``v_cache`` and ``block_size = 128``).
 
     Returns:
         ``(pooled_k, pooled_v or None, keys or None, k_copy or None, v_copy or None, block_lengths,
@@ -244,6 +266,10 @@ def launch_pool(
         page_table,
         k_descale if k_descale is not None else pooled_k,
         v_descale if v_descale is not None else pooled_k,
+        tile_copies.k_cache if tile_copies is not None else pooled_k,
+        tile_copies.v_cache if tile_copies is not None else pooled_k,
+        tile_copies.batch.page_table if tile_copies is not None else lengths,
+        tile_copies.batch.page_table.stride(0) if tile_copies is not None else 0,
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -266,6 +292,7 @@ def launch_pool(
         HAS_V_DESCALE=v_descale is not None,
         HAS_KEYS=keys is not None,
         HAS_COPIES=copies,
+        HAS_TILES=tile_copies is not None,
         num_warps=knobs.num_warps,
     )
     return pooled_k, pooled_v, keys, k_copy, v_copy, lengths, block_offsets

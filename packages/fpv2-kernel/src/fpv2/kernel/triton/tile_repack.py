@@ -151,6 +151,57 @@ def tile_repack_bytes(k_cache: torch.Tensor, batch: PagedPrefillBatch) -> int:
     return 2 * sum(tile_pages_per_request(batch)) * TILE_TOKENS * num_kv_heads * head_dim * k_cache.element_size()
 
 
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch) -> None:
+    """The caches a copy into tile pages reads: 4-D, on the batch's device, unit element stride, same shape."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(cache).__name__}")
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must be (num_pages, page_size, Hkv, d); got shape {tuple(cache.shape)}")
+        if cache.device != batch.device:
+            raise ValueError(f"{name} is on {cache.device}, the batch on {batch.device}")
+        if cache.stride(3) != 1:
+            raise ValueError(
+                f"{name}: the copy reads each head's d values as one run and needs element stride 1; got strides "
+                f"{tuple(cache.stride())} for shape {tuple(cache.shape)}"
+            )
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise TypeError(
+            f"v_cache must match k_cache: got {tuple(v_cache.shape)} {v_cache.dtype} against "
+            f"{tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if k_cache.shape[1] != batch.page_size:
+        raise ValueError(f"k_cache has pages of {k_cache.shape[1]} tokens, the batch says page_size={batch.page_size}")
+
+
+def allocate_tile_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch) -> TileRepacked:
+    """Uninitialised tile pages for the batch's K and V, and the batch that addresses them.
+
+    For a producer other than :func:`repack_to_tile_pages` that writes the same copies as it reads the cache
+    (``fpv2.index.triton.pool_blocks_triton(..., tile_copies=...)`` writes them while pooling): it must write
+    every row of every tile page (zeros past a request's KV length) and the tile batch's page table
+    (request ``b``'s page ``j`` is tile page ``first[b] + j``) before the copies are read.
+
+    Args:
+        k_cache: ``(num_pages, page_size, Hkv, d)`` paged keys (element stride 1).
+        v_cache: paged values, same shape and dtype.
+        batch: the batch metadata.
+
+    Returns:
+        :class:`TileRepacked` with ``(num_tile_pages, 128, Hkv, d)`` contiguous K and V of the caches' dtype.
+
+    Raises:
+        TypeError, ValueError: as :func:`repack_to_tile_pages`.
+    """
+    _check_caches(k_cache, v_cache, batch)
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    repacked = tile_batch(batch)
+    shape = (repacked.num_pages, TILE_TOKENS, num_kv_heads, head_dim)
+    k_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    v_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    return TileRepacked(k_tiles, v_tiles, repacked)
+
+
 def repack_to_tile_pages(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -181,27 +232,7 @@ def repack_to_tile_pages(
     """
     if tokens_per_program <= 0 or TILE_TOKENS % tokens_per_program or tokens_per_program & (tokens_per_program - 1):
         raise ValueError(f"tokens_per_program must be a power of two dividing {TILE_TOKENS}; got {tokens_per_program}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(cache, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(cache).__name__}")
-        if cache.dim() != 4:
-            raise ValueError(f"{name} must be (num_pages, page_size, Hkv, d); got shape {tuple(cache.shape)}")
-        if cache.device != batch.device:
-            raise ValueError(f"{name} is on {cache.device}, the batch on {batch.device}")
-        _, _, num_kv_heads, head_dim = cache.shape
-        if cache.stride(3) != 1:
-            raise ValueError(
-                f"{name}: the copy reads each head's d values as one run and needs element stride 1; got strides "
-                f"{tuple(cache.stride())} for shape {tuple(cache.shape)}"
-            )
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise TypeError(
-            f"v_cache must match k_cache: got {tuple(v_cache.shape)} {v_cache.dtype} against "
-            f"{tuple(k_cache.shape)} {k_cache.dtype}"
-        )
-    if k_cache.shape[1] != batch.page_size:
-        raise ValueError(f"k_cache has pages of {k_cache.shape[1]} tokens, the batch says page_size={batch.page_size}")
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    _check_caches(k_cache, v_cache, batch)
     if k_cache.device.type == "cpu":
         if not isinstance(tile_repack_kernel, InterpretedFunction):
             raise ValueError(
@@ -209,20 +240,18 @@ def repack_to_tile_pages(
                 "the CPU; got caches on the CPU"
             )
         install_interpreter_index_fix()
-    repacked = tile_batch(batch)
-    table = repacked.page_table
-    shape = (repacked.num_pages, TILE_TOKENS, num_kv_heads, head_dim)
-    k_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
-    v_tiles = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    packed = allocate_tile_pages(k_cache, v_cache, batch)
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    table = packed.batch.page_table
     if any(batch.host.seqlens_k):  # else no tile page has a token: the grid would be empty
         row = num_kv_heads * head_dim
-        grid = (repacked.num_pages, TILE_TOKENS // tokens_per_program)
+        grid = (packed.batch.num_pages, TILE_TOKENS // tokens_per_program)
         _REPACK(
             grid,
             k_cache,
             v_cache,
-            k_tiles,
-            v_tiles,
+            packed.k_cache,
+            packed.v_cache,
             batch.page_table,
             batch.page_table.stride(0),
             batch.seqlens_k,
@@ -243,7 +272,7 @@ def repack_to_tile_pages(
             TOKENS=tokens_per_program,
             num_warps=num_warps,
         )
-    return TileRepacked(k_tiles, v_tiles, repacked)
+    return packed
 
 
 #: Key of the tile batch in a batch's instance dict (frozen dataclasses allow such entries, as ``host``).

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Device run: the tile-page copy written by the pooling kernel (pool_blocks_triton(..., tile_copies=...)) instead of
+# the Hopper backend's own copy launch, from the repository root, with the library built on the development machine.
+#
+#   benchmarks/pooled_copy_device_run.sh [all]  the GPU tests of the copy (index: the tile pages against the repack,
+#                                      compiled; serving: the Hopper pipeline on the pooled copy, same bits as its own
+#                                      copy, and the existing copy / no-sync suites), then
+#                                      benchmarks/pooled_copy_speed.py at 32K, 128K and 4 x 128K (page 1)
+#
+# Prediction (written before the run): the pooling kernel reads every token of K and V already; writing them into
+# the tile pages adds the copy's writes (0.5 GB at 128K) but drops the copy kernel's read and its launch. At 128K,
+# page 1: copy kernel 0.267 ms gone, pooling 0.13 -> 0.22-0.27 ms, so -0.10 to -0.15 ms GPU time a call (13.5 ->
+# 13.35-13.4 host-ahead); 4 x 128K -0.4 to -0.55 ms; 32K -0.02 to -0.04 ms. Eager: the backend's copy policy now
+# runs before the pooling launch (+0.02-0.04 ms host before the first kernel), the copy launch's host time
+# (~0.07 ms, hidden behind the scoring) goes. Outputs bit-identical.
+#
+# Environment: SCORE_BIN folder with libfpv2_kernel.so [.carry/head]; OUT.
+set -u -o pipefail
+# shellcheck source=benchmarks/device_run_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
+device_run_start pooled-copy "${1:-all}" "${SCORE_BIN:-.carry/head}"
+RESULTS="$OUT"
+
+if [ "$PART" = all ]; then
+  gpu_tests index-copy 300 packages/fpv2-index/tests/test_triton_pooled_tile_copies.py \
+    packages/fpv2-index/tests/test_triton_pooled_copies.py packages/fpv2-index/tests/test_corrected_scoring.py
+  gpu_tests serving 400 packages/fpv2-serving/tests/test_serving_gpu.py packages/fpv2-serving/tests/test_tile_repack_policy.py \
+    packages/fpv2-serving/tests/test_sync_free.py packages/fpv2-serving/tests/test_pooled_tile_copies.py
+  with_packages timeout 420 python3 benchmarks/pooled_copy_speed.py --shapes 1x131072 1x32768 4x131072 \
+    --out "$RESULTS/pooled-copy-speed.json" > "$LOGS/speed.log" 2>&1
+  echo "speed: rc=$?"
+  grep -v Warning "$LOGS/speed.log" | cut -c1-220 | tail -20
+fi

@@ -1,0 +1,106 @@
+"""The tile-page copy made by the pooling kernel against the Hopper backend's own copy launch (page 1).
+
+For each ``--shapes`` entry (``BxL``, planted bf16 workload, 32/8 heads, d = 128, page 1) the corrected pipeline
+(Hopper backend) runs with the copy from the pooling kernel (``pooled``: the landed path) and with the backend's
+own copy launch (``own``: ``tile_copies_for`` turned off on that pipeline's backend), alternating (A B B A):
+eager and host-ahead medians of ``--repeats`` calls each, the kernels' GPU times from torch.profiler, and
+whether the outputs are bit-identical (they must be: the same tile pages).
+
+Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native library):
+``python benchmarks/pooled_copy_speed.py --shapes 1x32768 1x131072 4x131072 --out pooled-copy.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from fpv2.index import SelectionConfig
+from fpv2.kernel.testing import planted_workload
+from fpv2.serving.environment import git_commit, gpu_name
+from fpv2.serving.pipeline import SparsePrefillPipeline
+from fpv2.serving.timing import host_ahead_samples, median, timed_samples
+
+MODES = ("pooled", "own")
+
+
+def kernel_times(call, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """Median GPU microseconds per kernel name over ``repeats`` profiled calls (after a warm-up call)."""
+    call()
+    torch.cuda.synchronize(device)
+    samples: dict[str, list[float]] = {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            call()
+        torch.cuda.synchronize(device)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            samples.setdefault(event.name[:60], []).append(event.device_time_total)
+    return {name: round(statistics.median(v), 1) for name, v in samples.items() if len(v) >= repeats}
+
+
+def row(batch: int, length: int, repeats: int, alpha: float, device: torch.device) -> dict:
+    w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=1, device=device)
+    pipelines = {mode: SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend="hopper") for mode in MODES}
+    pipelines["own"].backend.tile_copies_for = lambda *args: None  # the backend launches its own copy
+    eager: dict[str, list[float]] = {m: [] for m in MODES}
+    ahead: dict[str, list[float | None]] = {m: [] for m in MODES}
+    outputs = {}
+    for mode in ("pooled", "own", "own", "pooled"):
+        call = partial(pipelines[mode], w.q, w.k_cache, w.v_cache, w.batch)
+        samples, result = timed_samples(call, 3, repeats, device)
+        eager[mode].append(round(median(samples), 3))
+        gpu, _ = host_ahead_samples(call, repeats, device)
+        ahead[mode].append(round(median(gpu), 3) if gpu else None)
+        outputs[mode] = result.out
+        assert pipelines[mode].backend.last_copy_pooled is (mode == "pooled")
+    calls = {mode: partial(pipelines[mode], w.q, w.k_cache, w.v_cache, w.batch) for mode in MODES}
+    kernels = {mode: kernel_times(call, device) for mode, call in calls.items()}
+    return {
+        "B": batch,
+        "L": length,
+        "alpha": alpha,
+        "eager_ms": eager,
+        "host_ahead_ms": ahead,
+        "kernels_us": kernels,
+        "outputs_identical": bool(torch.equal(outputs["pooled"], outputs["own"])),
+    }
+
+
+def summary(result: dict) -> str:
+    lines = [
+        f"{result['B']} x {result['L']}: eager {result['eager_ms']}, host-ahead {result['host_ahead_ms']}, "
+        f"identical {result['outputs_identical']}"
+    ]
+    for mode, kernels in result["kernels_us"].items():
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:5]
+        lines.append(f"  {mode}: " + ", ".join(f"{name[:36]} {us}" for name, us in top))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["1x32768", "1x131072", "4x131072"], help="BxL entries")
+    parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for shape in args.shapes:
+        batch, length = (int(x) for x in shape.lower().split("x"))
+        result = row(batch, length, args.repeats, args.alpha, device)
+        result.update(gpu=gpu_name(device), commit=git_commit())
+        rows.append(result)
+        print(summary(result), flush=True)
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
