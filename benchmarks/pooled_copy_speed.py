@@ -22,6 +22,7 @@ import torch
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.testing import planted_workload
+from fpv2.serving.backends import HopperBackend
 from fpv2.serving.environment import git_commit, gpu_name
 from fpv2.serving.pipeline import SparsePrefillPipeline
 from fpv2.serving.timing import host_ahead_samples, median, timed_samples
@@ -46,8 +47,13 @@ def kernel_times(call, device: torch.device, repeats: int = 3) -> dict[str, floa
 
 def row(batch: int, length: int, repeats: int, alpha: float, device: torch.device) -> dict:
     w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=1, device=device)
-    pipelines = {mode: SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend="hopper") for mode in MODES}
-    pipelines["own"].backend.tile_copies_for = lambda *args: None  # the backend launches its own copy
+    # Two backend instances (the registry's "hopper" is one shared instance): the second launches its own copy.
+    own = HopperBackend()
+    own.tile_copies_for = lambda *args: None
+    pipelines = {
+        "pooled": SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend="hopper"),
+        "own": SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend=own),
+    }
     eager: dict[str, list[float]] = {m: [] for m in MODES}
     ahead: dict[str, list[float | None]] = {m: [] for m in MODES}
     outputs = {}

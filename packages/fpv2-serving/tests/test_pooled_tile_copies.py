@@ -81,12 +81,15 @@ def test_the_backend_runs_on_the_copy_the_pooling_made(triton_pooling, page_size
     torch.testing.assert_close(got.out, want.out, rtol=1e-6, atol=1e-6)
 
 
-def test_no_copy_is_asked_for_without_the_triton_pooling_or_pooled_values(monkeypatch):
+def test_no_copy_is_asked_for_without_the_triton_pooling():
     wl = _workload(16)
     backend = TileCopyingBackend()
     SparsePrefillPipeline(SPARSE, backend=backend)(wl.q, wl.k_cache, wl.v_cache, wl.batch)  # CPU: reference pooling
     assert backend.offered is None and backend.received is None
-    monkeypatch.setattr("fpv2.serving.pipeline.use_triton_index", lambda q: True)
+
+
+def test_no_copy_is_asked_for_without_pooled_values(triton_pooling):
+    wl = _workload(16)
     # The dense strategy without the correction pools keys only: nothing to copy V from.
     dense = TileCopyingBackend()
     dense.run_dense = None  # through run(), as a backend without a dense mode
