@@ -13,36 +13,19 @@ Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 from functools import partial
 from pathlib import Path
 
 import torch
+from shape_rows import kernel_times, run_shapes
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.testing import planted_workload
 from fpv2.serving.backends import HopperBackend
-from fpv2.serving.environment import git_commit, gpu_name
 from fpv2.serving.pipeline import SparsePrefillPipeline
 from fpv2.serving.timing import host_ahead_samples, median, timed_samples
 
 MODES = ("pooled", "own")
-
-
-def kernel_times(call, device: torch.device, repeats: int = 3) -> dict[str, float]:
-    """Median GPU microseconds per kernel name over ``repeats`` profiled calls (after a warm-up call)."""
-    call()
-    torch.cuda.synchronize(device)
-    samples: dict[str, list[float]] = {}
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            call()
-        torch.cuda.synchronize(device)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-            samples.setdefault(event.name[:60], []).append(event.device_time_total)
-    return {name: round(statistics.median(v), 1) for name, v in samples.items() if len(v) >= repeats}
 
 
 def row(batch: int, length: int, repeats: int, alpha: float, device: torch.device) -> dict:
@@ -97,15 +80,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    rows = []
-    for shape in args.shapes:
-        batch, length = (int(x) for x in shape.lower().split("x"))
-        result = row(batch, length, args.repeats, args.alpha, device)
-        result.update(gpu=gpu_name(device), commit=git_commit())
-        rows.append(result)
-        print(summary(result), flush=True)
-        torch.cuda.empty_cache()
-    args.out.write_text(json.dumps(rows, indent=1))
+    run_shapes(args.shapes, lambda b, n: row(b, n, args.repeats, args.alpha, device), summary, args.out)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,52 @@ def _step(
 
 
 @triton.jit
+def _walk(
+    step_args,
+    begin,
+    end,
+    num_scored,
+    num_eligible,
+    m_i,
+    l_i,
+    acc,
+    stride_k_block,
+    stride_v_block,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ENERGIES: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_WHILE: tl.constexpr,
+):
+    """The steps ``begin, begin + BLOCK_N, .. < end`` (:func:`_step`): a ``range()`` loop on GPUs, which Triton
+    pipelines, and a ``while`` loop under the interpreter, which cannot take a loaded value as a ``range()``
+    bound."""
+    q, keys_base, values_base, lengths_base, energies_row, positions = step_args
+    if USE_WHILE:
+        start = begin
+        while start < end:
+            m_i, l_i, acc = _step(
+                q, keys_base, values_base, lengths_base, energies_row, positions, start, num_scored, num_eligible,
+                m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, MASKED, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(begin, end, BLOCK_N):
+            m_i, l_i, acc = _step(
+                q, keys_base, values_base, lengths_base, energies_row, positions, start, num_scored, num_eligible,
+                m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, MASKED, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _corrected_scoring_kernel(
     q_ptr,
     keys_ptr,
@@ -222,37 +268,15 @@ def _corrected_scoring_kernel(
     m_i = tl.full((TILE,), float("-inf"), tl.float32)
     l_i = tl.zeros((TILE,), tl.float32)
     acc = tl.zeros((TILE, BLOCK_D), tl.float32)
-    # range() loops on GPUs (Triton pipelines the key loads); while loops under the interpreter, which cannot
-    # take a loaded value as a range() bound.
-    if USE_WHILE:
-        start = num_unmasked * 0
-        while start < num_unmasked:
-            m_i, l_i, acc = _step(
-                q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
-                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D, False, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
-            )  # fmt: skip
-            start += BLOCK_N
-        while start < num_scored:
-            m_i, l_i, acc = _step(
-                q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
-                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D, True, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
-            )  # fmt: skip
-            start += BLOCK_N
-    else:
-        for start in range(0, num_unmasked, BLOCK_N):
-            m_i, l_i, acc = _step(
-                q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
-                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D, False, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
-            )  # fmt: skip
-        for start in range(num_unmasked, num_scored, BLOCK_N):
-            m_i, l_i, acc = _step(
-                q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions, start, num_scored,
-                num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block, head_dim,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D, True, EVEN_D, ENERGIES, ACCUMULATE, IEEE,
-            )  # fmt: skip
+    step_args = (q, keys_base, values_base, lengths_ptr + block_base, energies_row, positions)
+    m_i, l_i, acc = _walk(
+        step_args, 0, num_unmasked, num_scored, num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block,
+        head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, EVEN_D, ENERGIES, ACCUMULATE, IEEE, USE_WHILE,
+    )  # fmt: skip
+    m_i, l_i, acc = _walk(
+        step_args, num_unmasked, num_scored, num_scored, num_eligible, m_i, l_i, acc, stride_k_block, stride_v_block,
+        head_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, EVEN_D, ENERGIES, ACCUMULATE, IEEE, USE_WHILE,
+    )  # fmt: skip
     if ACCUMULATE:
         has_terms = l_i > 0
         out = acc / tl.where(has_terms, l_i, 1.0)[:, None]
