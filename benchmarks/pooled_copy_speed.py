@@ -12,12 +12,10 @@ Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native 
 
 from __future__ import annotations
 
-import argparse
 from functools import partial
-from pathlib import Path
 
 import torch
-from shape_rows import kernel_times, run_shapes
+from shape_rows import kernel_lines, kernel_times, shape_main
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.testing import planted_workload
@@ -66,21 +64,12 @@ def summary(result: dict) -> str:
         f"{result['B']} x {result['L']}: eager {result['eager_ms']}, host-ahead {result['host_ahead_ms']}, "
         f"identical {result['outputs_identical']}"
     ]
-    for mode, kernels in result["kernels_us"].items():
-        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:5]
-        lines.append(f"  {mode}: " + ", ".join(f"{name[:36]} {us}" for name, us in top))
+    lines += kernel_lines(result["kernels_us"], top=5, width=36)
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["1x32768", "1x131072", "4x131072"], help="BxL entries")
-    parser.add_argument("--alpha", type=float, default=0.1)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    run_shapes(args.shapes, lambda b, n: row(b, n, args.repeats, args.alpha, device), summary, args.out)
+    shape_main(__doc__.split("\n")[0], row, summary)
 
 
 if __name__ == "__main__":

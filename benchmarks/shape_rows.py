@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Callable
@@ -45,3 +46,31 @@ def run_shapes(
         torch.cuda.empty_cache()
     out.write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def shape_arguments(description: str) -> argparse.Namespace:
+    """The per-shape scripts' command line: ``--shapes BxL ...``, ``--alpha``, ``--repeats``, ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shapes", nargs="+", default=["1x32768", "1x131072", "4x131072"], help="BxL entries")
+    parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args()
+
+
+def kernel_lines(kernels_by_call: dict[str, dict[str, float]], top: int, width: int) -> list[str]:
+    """One line per call: its ``top`` slowest kernels (names cut to ``width`` characters) and their microseconds."""
+    lines = []
+    for call, kernels in kernels_by_call.items():
+        slowest = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+        lines.append(f"  {call}: " + ", ".join(f"{name[:width]} {us} us" for name, us in slowest))
+    return lines
+
+
+def shape_main(
+    description: str, row: Callable[[int, int, int, float, torch.device], dict], summary: Callable[[dict], str]
+) -> None:
+    """A per-shape script's ``main``: :func:`shape_arguments`, then ``row(B, L, repeats, alpha, device)`` per shape."""
+    args = shape_arguments(description)
+    device = torch.device("cuda")
+    run_shapes(args.shapes, lambda b, n: row(b, n, args.repeats, args.alpha, device), summary, args.out)
