@@ -11,8 +11,6 @@
 #                                      FPV2_INDEX_SCORING=auto too), the speed table, fpv2 bench on vLLM's NHD views
 #                                      and at d = 64 / 256 through the copy (page 1)
 #   (the A/B of two kernel variants and its ncu ran as part "ab" at commit 415bd16: results/2026-12-04-h200-hopper-scoring/)
-#   benchmarks/hopper_scoring_device_run.sh groups  the two-warpgroup layout (FPV2_SCORE_WARPGROUPS=2) against the default:
-#                                      speed tables, its GPU tests and the sanitizers
 #   benchmarks/hopper_scoring_device_run.sh bench  fpv2 bench of the corrected planted pipeline at page 1 (Hopper
 #                                      backend), 128K, 32K and 4 x 128K, with the Hopper scoring (auto) and the
 #                                      Triton pass (FPV2_INDEX_SCORING=triton)
@@ -117,18 +115,6 @@ scoring_checks() {
   speed_table "$1"
   sanitize_scoring
 }
-
-if [ "$PART" = groups ]; then
-  # Two warpgroups a CTA split the tile's rows (64 each) and share each step's keys (FPV2_SCORE_WARPGROUPS=2,
-  # score_traits.hpp): the layout the correction's pooled-value product needs. Prediction: the same instructions per
-  # key and row, a combine pass per tile in the selection (+2-3% at 128K), 2 CTAs x 8 warps a SM instead of 3 x 4:
-  # 1.35-1.55 ms at 128K if it fits 128 registers without spills (the default: 1.43), slower if it spills; the
-  # index within rounding of alpha of the default's (the halves' energies are added as log2(2^a + 2^b)).
-  speed_table one
-  FPV2_SCORE_WARPGROUPS=2 gpu_tests scoring-two 240 packages/fpv2-index/tests/test_hopper_scoring.py
-  FPV2_SCORE_WARPGROUPS=2 speed_table two
-  FPV2_SCORE_WARPGROUPS=2 sanitize_scoring
-fi
 
 if [ "$PART" = review ]; then
   # After the review mends (one launch-preparation cache per device; the index's Hopper branch no longer sizes the

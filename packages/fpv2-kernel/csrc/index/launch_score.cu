@@ -2,8 +2,6 @@
 #include "index/launch_score.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include <cutlass/numeric_types.h>
 
@@ -42,7 +40,6 @@ ScoreParams<Element> make_params(const fpv2_score_args_t& a) {
   p.window_tokens = a.window_tokens;
   p.dense_tail_tiles = a.dense_tail_tiles;
   p.min_sparse_kv_len = a.min_sparse_kv_len;
-  p.energies_stride = int32_t(a.max_blocks > 0 ? a.max_blocks : 1);
   return p;
 }
 
@@ -79,16 +76,13 @@ int32_t prepare_launch(Kernel kernel, int threads, size_t smem, size_t max_smem,
   return FPV2_OK;
 }
 
-template <class Element, int kHeadDim, int kGroups>
+template <class Element, int kHeadDim>
 int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int device, int sm_count) {
-  using Traits = ScoreTraits<Element, kHeadDim, kGroups>;
+  using Traits = ScoreTraits<Element, kHeadDim>;
   const ScoreParams<Element> p = make_params<Element>(args);
   if (p.num_segments > 0) {
-    // The storage, the tile's energies (one float per key block of the longest request, a row per warpgroup) and
-    // the alignment slack.
-    auto smem_for = [](size_t blocks) {
-      return sizeof(ScoreSharedStorage<Traits>) + size_t(Traits::kGroups) * blocks * sizeof(float) + 1024;
-    };
+    // The storage, the tile's energies (one float per key block of the longest request) and the alignment slack.
+    auto smem_for = [](size_t blocks) { return sizeof(ScoreSharedStorage<Traits>) + blocks * sizeof(float) + 1024; };
     const size_t smem = smem_for(size_t(args.max_blocks > 0 ? args.max_blocks : 1));
     int ctas_per_sm = 0;
     FPV2_RETURN_IF_ERROR(prepare_launch(score_select_kernel<Traits>, Traits::kThreads, smem,
@@ -104,22 +98,6 @@ int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int devic
   return FPV2_OK;
 }
 
-// FPV2_SCORE_WARPGROUPS=2 picks the two-warpgroup layout (score_traits.hpp; opt-in while it is measured), read
-// once per process.
-bool two_warpgroups() {
-  static const bool two = [] {
-    const char* value = std::getenv("FPV2_SCORE_WARPGROUPS");
-    return value != nullptr && std::strcmp(value, "2") == 0;
-  }();
-  return two;
-}
-
-template <class Element, int kHeadDim>
-int32_t launch_groups(const fpv2_score_args_t& args, cudaStream_t stream, int device, int sm_count) {
-  return two_warpgroups() ? launch_for<Element, kHeadDim, 2>(args, stream, device, sm_count)
-                          : launch_for<Element, kHeadDim, 1>(args, stream, device, sm_count);
-}
-
 }  // namespace
 
 int32_t launch_score(const fpv2_score_args_t& args, cudaStream_t stream) {
@@ -133,11 +111,11 @@ int32_t launch_score(const fpv2_score_args_t& args, cudaStream_t stream) {
   const bool bf16 = args.q.dtype == FPV2_DTYPE_BF16;
   const int64_t d = args.q.shape[2];
   if (bf16) {
-    return d == 64 ? launch_groups<cutlass::bfloat16_t, 64>(args, stream, device, sm_count)
-                   : launch_groups<cutlass::bfloat16_t, 128>(args, stream, device, sm_count);
+    return d == 64 ? launch_for<cutlass::bfloat16_t, 64>(args, stream, device, sm_count)
+                   : launch_for<cutlass::bfloat16_t, 128>(args, stream, device, sm_count);
   }
-  return d == 64 ? launch_groups<cutlass::half_t, 64>(args, stream, device, sm_count)
-                 : launch_groups<cutlass::half_t, 128>(args, stream, device, sm_count);
+  return d == 64 ? launch_for<cutlass::half_t, 64>(args, stream, device, sm_count)
+                 : launch_for<cutlass::half_t, 128>(args, stream, device, sm_count);
 }
 
 }  // namespace fpv2::index

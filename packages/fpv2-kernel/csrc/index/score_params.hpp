@@ -32,7 +32,6 @@ struct ScoreParams {
   int32_t window_tokens;
   int32_t dense_tail_tiles;
   int32_t min_sparse_kv_len;
-  int32_t energies_stride;    // floats between the warpgroups' energy rows in shared memory (the longest request's blocks)
 };
 
 }  // namespace fpv2::index

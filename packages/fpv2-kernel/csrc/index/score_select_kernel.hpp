@@ -329,13 +329,10 @@ struct ScoreSelect {
     using namespace cute;
     auto& smem = *reinterpret_cast<ScoreSharedStorage<Traits>*>(smem_base);
     float* energies = reinterpret_cast<float*>(smem_base + sizeof(ScoreSharedStorage<Traits>));
-    // Each warpgroup's energies over its own rows (one row of them per warpgroup; the selection adds them up).
-    float* group_energies = energies + (Traits::kGroups == 1 ? 0 : int(threadIdx.x) / 128 * p.energies_stride);
 
     typename Traits::TiledMma mma;
     auto thr = mma.get_thread_slice(threadIdx.x);
-    // Descriptors depend on the warpgroup only (with one warpgroup: a compile-time slice).
-    auto wg = mma.get_thread_slice(Traits::kGroups == 1 ? 0 : int(threadIdx.x) / 128 * 128);
+    auto wg = mma.get_thread_slice(0);  // descriptors depend on the warpgroup only
     Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.keys), typename Traits::SmemLayoutKeys{});
     const uint32_t copy_base = key_copy_base(smem.keys);
@@ -393,11 +390,11 @@ struct ScoreSelect {
           const int first_key = n * Traits::kStepKeys;
           // Cheap offsets first; the exact ones only where a warp met an overflow (reduce_shifted).
           if (first_key + Traits::kStepKeys <= g.num_full) {
-            if (!reduce_shifted<false>(acc_rc, cS_rc, first_key, g, p, n == 0, group_energies, running_max)) {
-              reduce<false>(acc_rc, cS_rc, first_key, g, p, group_energies, running_max);
+            if (!reduce_shifted<false>(acc_rc, cS_rc, first_key, g, p, n == 0, energies, running_max)) {
+              reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
             }
-          } else if (!reduce_shifted<true>(acc_rc, cS_rc, first_key, g, p, n == 0, group_energies, running_max)) {
-            reduce<true>(acc_rc, cS_rc, first_key, g, p, group_energies, running_max);
+          } else if (!reduce_shifted<true>(acc_rc, cS_rc, first_key, g, p, n == 0, energies, running_max)) {
+            reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           }
         }
       }
@@ -409,32 +406,16 @@ struct ScoreSelect {
   }
 
   // Pass 2: the tile's peak energy, then one ballot per 32 blocks, and the segment's count.
-  __device__ static void select(ScoreParams<Element> const& p, ScoreSharedStorage<Traits>& smem, float* energies,
-                                Work const& w, float running_max) {
+  __device__ static void select(ScoreParams<Element> const& p, ScoreSharedStorage<Traits>& smem,
+                                float const* energies, Work const& w, float running_max) {
     const ScoreGeometry& g = w.geometry;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    constexpr int kWarps = Traits::kThreads / 32;
     float peak = running_max;
-    if constexpr (Traits::kGroups == 2) {
-      // The two warpgroups' energies of a block are log2 sums over disjoint rows: log2(2^a + 2^b), into row 0.
-      __syncthreads();  // every warpgroup's energies are stored
-      peak = -INFINITY;
-      for (int block = threadIdx.x; block < g.num_candidates; block += Traits::kThreads) {
-        const float a = energies[block];
-        const float b = energies[p.energies_stride + block];
-        const float top = fmaxf(a, b);
-        const float energy = top == -INFINITY ? -INFINITY : top + fast_log2(1.0f + hopper::fast_exp2(fminf(a, b) - top));
-        energies[block] = energy;
-        peak = fmaxf(peak, energy);
-      }
-    }
     for (int offset = 16; offset >= 1; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, offset));
     if (lane == 0) smem.warp_max[warp] = peak;
     __syncthreads();  // also publishes the energies
-    peak = smem.warp_max[0];
-    CUTE_UNROLL
-    for (int i = 1; i < kWarps; ++i) peak = fmaxf(peak, smem.warp_max[i]);
+    peak = fmaxf(fmaxf(smem.warp_max[0], smem.warp_max[1]), fmaxf(smem.warp_max[2], smem.warp_max[3]));
     // E_J >= alpha max E, never when nothing was scored.
     const float threshold = peak == -INFINITY ? INFINITY : p.alpha;
     const float peak_offset = peak == -INFINITY ? 0.0f : peak;
@@ -456,10 +437,7 @@ struct ScoreSelect {
     if (lane == 0) smem.warp_count[warp] = count;
     __syncthreads();  // also: every thread is done with warp_max and the energies before the next tile
     if (threadIdx.x == 0) {
-      int total = 0;
-      CUTE_UNROLL
-      for (int i = 0; i < kWarps; ++i) total += smem.warp_count[i];
-      p.counts[w.segment] = total;
+      p.counts[w.segment] = smem.warp_count[0] + smem.warp_count[1] + smem.warp_count[2] + smem.warp_count[3];
     }
   }
 };

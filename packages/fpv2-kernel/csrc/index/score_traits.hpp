@@ -11,20 +11,14 @@ namespace fpv2::index {
 
 // One accumulator and two key buffers, three CTAs per SM: measured faster than two accumulators with the
 // product of step n+1 under step n's exponentials at two CTAs per SM (benchmarks/NOTES.md, 2026-12-04).
-// kGroups = 2 (opt-in, FPV2_SCORE_WARPGROUPS=2): two warpgroups split the tile's rows (64 each) and share each
-// step's keys; each keeps its keys' energies over its own rows, and the selection adds the two halves. The
-// layout the mean correction's pooled-value product needs (a d x 64 accumulator a warpgroup), two CTAs per SM.
-template <class Element_, int kHeadDim_, int kGroups_ = 1>
+template <class Element_, int kHeadDim_>
 struct ScoreTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kGroups = kGroups_;
-  static_assert(kGroups == 1 || kGroups == 2, "one or two warpgroups");
-  static constexpr int kCtasPerSm = kGroups == 1 ? 3 : 2;
+  static constexpr int kCtasPerSm = 3;
   static constexpr int kTileRows = 128;  // packed query rows of a tile (FPV2_KERNEL_TILE_SIZE)
-  static constexpr int kGroupRows = kTileRows / kGroups;  // rows of one warpgroup
   static constexpr int kStepKeys = 64;   // pooled keys per step (the wgmma's M)
-  static constexpr int kThreads = 128 * kGroups;
+  static constexpr int kThreads = 128;   // one warpgroup
   // Key buffers: the keys of step n+1 load while step n is reduced.
   static constexpr int kStages = 2;
   // Largest key-block count of a request: the tile's energies live in shared memory (64 KB).
@@ -32,13 +26,11 @@ struct ScoreTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
 
   using MmaAtom = decltype(cute::SM90::GMMA::ss_op_selector<Element, Element, float,
-                                                            cute::Shape<cute::Int<kStepKeys>, cute::Int<kGroupRows>,
+                                                            cute::Shape<cute::Int<kStepKeys>, cute::Int<kTileRows>,
                                                                         cute::Int<kHeadDim>>,
                                                             cute::GMMA::Major::K, cute::GMMA::Major::K>());
-  // The warpgroups side by side along N (the rows): warpgroup w multiplies the keys by rows 64w .. 64w + 63.
-  using TiledMma = decltype(cute::make_tiled_mma(
-      MmaAtom{}, cute::Layout<cute::Shape<cute::_1, cute::Int<kGroups>, cute::_1>>{}));
-  static_assert(cute::size(TiledMma{}) == kThreads, "each warpgroup issues its rows' product");
+  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}));
+  static_assert(cute::size(TiledMma{}) == kThreads, "one warpgroup issues the product");
 
   // 128-byte swizzle atoms (8 rows x 64 elements): d = 64 is one atom wide, d = 128 two.
   using SmemLayoutAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
