@@ -6,6 +6,8 @@
 #                                      compiled; serving: the Hopper pipeline on the pooled copy, same bits as its own
 #                                      copy, and the existing copy / no-sync suites), then
 #                                      benchmarks/pooled_copy_speed.py at 32K, 128K and 4 x 128K (page 1)
+#   benchmarks/pooled_copy_device_run.sh bench  fpv2 bench of the corrected planted pipeline at page 1 (Hopper backend):
+#                                      128K, 32K and 4 x 128K, the record of the landed state
 #
 # Prediction (written before the run): the pooling kernel reads every token of K and V already; writing them into
 # the tile pages adds the copy's writes (0.5 GB at 128K) but drops the copy kernel's read and its launch. At 128K,
@@ -30,4 +32,10 @@ if [ "$PART" = all ]; then
     --out "$RESULTS/pooled-copy-speed.json" > "$LOGS/speed.log" 2>&1
   echo "speed: rc=$?"
   grep -v Warning "$LOGS/speed.log" | cut -c1-220 | tail -20
+fi
+
+if [ "$PART" = bench ]; then
+  bench_row 1 131072 bench-page1-131072 150 --page-size 1 --backend hopper
+  bench_row 1 32768 bench-page1-32768 120 --page-size 1 --backend hopper
+  bench_row 4 131072 bench-page1-4x131072 280 --page-size 1 --backend hopper
 fi
