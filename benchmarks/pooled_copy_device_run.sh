@@ -8,6 +8,7 @@
 #                                      benchmarks/pooled_copy_speed.py at 32K, 128K and 4 x 128K (page 1)
 #   benchmarks/pooled_copy_device_run.sh bench  fpv2 bench of the corrected planted pipeline at page 1 (Hopper backend):
 #                                      128K, 32K and 4 x 128K, the record of the landed state
+#   benchmarks/pooled_copy_device_run.sh host  the host breakdown and launch marks of a 128K call (page 1)
 #
 # Prediction (written before the run): the pooling kernel reads every token of K and V already; writing them into
 # the tile pages adds the copy's writes (0.5 GB at 128K) but drops the copy kernel's read and its launch. At 128K,
@@ -38,4 +39,19 @@ if [ "$PART" = bench ]; then
   bench_row 1 131072 bench-page1-131072 150 --page-size 1 --backend hopper
   bench_row 1 32768 bench-page1-32768 120 --page-size 1 --backend hopper
   bench_row 4 131072 bench-page1-4x131072 280 --page-size 1 --backend hopper
+fi
+
+if [ "$PART" = host ]; then
+  # Where the eager call's host time goes now that the backend's copy policy runs before the pooling launch
+  # (tile_copies_for). Prediction: tile_copies_for 20-40 us before the pooling launch; the pooling launched at about
+  # 0.3 ms into the call (sixteenth session: 0.35 ms).
+  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
+    --host-breakdown --repeats 30 --out "$RESULTS/host" > "$RESULTS/host-131072.txt" 2>&1
+  echo "host breakdown: rc=$?"
+  grep -E "==|whole call|_tile_copies|tile_copies_for|serves|allocate_tile|pool_blocks_triton|launch_pool|validate" \
+    "$RESULTS/host-131072.txt" | cut -c1-120
+  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
+    --marks-only --repeats 30 --out "$RESULTS/marks" > "$RESULTS/marks-131072.txt" 2>&1
+  echo "marks: rc=$?"
+  grep -v Warning "$RESULTS/marks-131072.txt" | tail -14 | cut -c1-140
 fi
