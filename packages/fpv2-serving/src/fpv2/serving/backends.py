@@ -345,7 +345,8 @@ class HopperBackend:
             :func:`~fpv2.kernel.triton.tile_repack.allocate_tile_pages` for the call, or None when this backend
             does not serve it or reads the caches as they are.
         """
-        if self.serves(q, k_cache, batch, None) is not None or not self._copies(k_cache, batch):
+        # The copy rule first: it declines a tile-sized cache at once, before the longer serves() checks.
+        if not self._copies(k_cache, batch) or self.serves(q, k_cache, batch, None) is not None:
             return None
         from fpv2.kernel.triton.tile_repack import allocate_tile_pages
 
