@@ -55,3 +55,15 @@ if [ "$PART" = host ]; then
   echo "marks: rc=$?"
   grep -v Warning "$RESULTS/marks-131072.txt" | tail -14 | cut -c1-140
 fi
+
+if [ "$PART" = verify ]; then
+  # After one allocation for both tile-page halves and the copy rule before serves(): the copy's GPU tests, then the
+  # host breakdown again. Prediction: _tile_copies 133-177 -> 100-140 us.
+  gpu_tests serving 300 packages/fpv2-serving/tests/test_serving_gpu.py packages/fpv2-serving/tests/test_tile_repack_policy.py
+  gpu_tests index 200 packages/fpv2-index/tests/test_triton_pooled_tile_copies.py
+  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
+    --host-breakdown --repeats 30 --out "$RESULTS/host-verify" > "$RESULTS/host-verify-131072.txt" 2>&1
+  echo "host breakdown: rc=$?"
+  grep -E "==|whole call|_tile_copies|tile_copies_for|serves|allocate_tile|launch_pool" "$RESULTS/host-verify-131072.txt" |
+    cut -c1-120
+fi
