@@ -67,3 +67,9 @@ if [ "$PART" = verify ]; then
   grep -E "==|whole call|_tile_copies|tile_copies_for|serves|allocate_tile|launch_pool" "$RESULTS/host-verify-131072.txt" |
     cut -c1-120
 fi
+
+if [ "$PART" = suites ]; then
+  # The index and serving packages' GPU suites on the session's end state.
+  gpu_tests index-gpu 200 packages/fpv2-index/tests -m "gpu or hopper"
+  gpu_tests serving-gpu 160 packages/fpv2-serving/tests -m "gpu or hopper"
+fi
