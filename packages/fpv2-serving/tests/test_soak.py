@@ -90,6 +90,12 @@ def test_workspace_formula_by_hand_and_probe_records_reserves():
     )
     assert shape == (8, 32, 1056)
     assert nbytes == 4 * (8 * 32 + 1056 * 2 + 1056) == 13696
+    # The Hopper scoring kernel reserves one energies row (fpv2.index.triton.api: num_programs=1).
+    hopper_bytes, hopper_shape = workspace_formula(
+        [4096, 100], [4096, 3000], kv_heads=8, group=4, config=config, device=torch.device("cpu"),
+        scoring_on_hopper=True,
+    )  # fmt: skip
+    assert hopper_shape == (1, 32, 1056) and hopper_bytes == 4 * (1 * 32 + 1056 * 2 + 1056)
     bound, bound_shape = workspace_bound(SoakConfig.for_cpu(), torch.device("cpu"))
     # for_cpu: 4 requests of 640 tokens, Hkv=2, g=2: tiles = 10 each, S = 2 * 40 = 80; Nb = 5.
     assert bound_shape == (8, 5, 80) and bound == 4 * (8 * 5 + 80 * 2 + 80)
@@ -306,10 +312,9 @@ def test_gpu_soak_of_300_calls_flat_memory_bounded_workspace_no_syncs(monkeypatc
     host synchronisation in steady state: MAX_SYNCS_PER_CALL is 0
     (fpv2.serving.soak.EXPECTED_FAST_PATH_SYNCS is empty).
 
-    The index's scoring is pinned to the fused Triton pass, whose per-program workspace rows the
-    soak's formula describes: on sm_90 with the native library the default (``auto``) scores on the
-    Hopper kernel, which reserves one energies row (``P = 1``), and every call then differed from the
-    formula (seen on the H200, 2026-12-04).
+    The index's scoring is pinned to the fused Triton pass (the scenario of a GPU without the native
+    library); with the default (``auto``) an sm_90 GPU scores on the Hopper kernel, which reserves one
+    energies row (the formula's ``scoring_on_hopper``).
     """
     monkeypatch.setenv("FPV2_INDEX_SCORING", "triton")
     assert MAX_SYNCS_PER_CALL == 0

@@ -485,11 +485,13 @@ def workspace_formula(
     group: int,
     config: SelectionConfig,
     device: torch.device,
+    scoring_on_hopper: bool = False,
 ) -> tuple[int, tuple[int, int, int]]:
     """Index workspace of one call by the documented formula, from host lengths alone.
 
-    ``S = Hkv * sum(tiles)``, ``Nb = max blocks``, ``P = min(S, programs cap)``,
-    bytes ``= IndexWorkspace.required_bytes(P, Nb, S) = 4 (P Nb + S ceil(Nb/64) 2 + S)``.
+    ``S = Hkv * sum(tiles)``, ``Nb = max blocks``, ``P = min(S, programs cap)`` for the fused Triton pass
+    (a row of energies per program) and ``P = 1`` for the Hopper scoring kernel (its energies stay in shared
+    memory), bytes ``= IndexWorkspace.required_bytes(P, Nb, S) = 4 (P Nb + S ceil(Nb/64) 2 + S)``.
 
     Args:
         q_lens: new queries per request of the batch the index ran on.
@@ -498,13 +500,15 @@ def workspace_formula(
         group: ``Hq / Hkv``.
         config: selection parameters (tile and block sizes).
         device: where the index runs (sets the programs cap).
+        scoring_on_hopper: the call's scoring ran on the Hopper kernel
+            (:func:`fpv2.index.triton.hopper_scoring.use_hopper_scoring`).
 
     Returns:
         ``(bytes, (P, Nb, S))``.
     """
     segments = kv_heads * sum(num_query_tiles(n, group, config.tile_size) for n in q_lens)
     max_blocks = max((num_key_blocks(k, config.block_size) for k in kv_lens), default=0)
-    programs = IndexWorkspace().num_programs(segments, device)
+    programs = 1 if scoring_on_hopper else IndexWorkspace().num_programs(segments, device)
     return IndexWorkspace.required_bytes(programs, max_blocks, segments), (programs, max_blocks, segments)
 
 
@@ -735,6 +739,14 @@ def build_pipeline(cfg: SoakConfig) -> tuple[PipelineFn, str]:
     return plain, plain.backend.name
 
 
+def _scored_on_hopper(q: torch.Tensor, config: SelectionConfig, batch: PagedPrefillBatch) -> bool:
+    """Whether the index's scoring ran on the Hopper kernel for ``batch``: the index's own rule, same arguments."""
+    from fpv2.index.triton.hopper_scoring import use_hopper_scoring
+
+    max_blocks = max((num_key_blocks(k, config.block_size) for k in batch.host.seqlens_k), default=0)
+    return use_hopper_scoring(q, config, q.shape[2], max_blocks, False)
+
+
 def _index_batch(result: object, batch: PagedPrefillBatch) -> PagedPrefillBatch | None:
     """The batch the sparse index ran on: the whole batch, a routed result's sparse sub-batch, or None."""
     if hasattr(result, "sparse_batch"):
@@ -781,13 +793,15 @@ def _one_call(
     if ws_bytes is not None:
         ran_on = _index_batch(result, batch)
         if ran_on is not None:
+            config = cfg.selection()
             expected, shape = workspace_formula(
                 ran_on.host.q_lens,
                 ran_on.host.seqlens_k,
                 kv_heads=cfg.kv_heads,
                 group=cfg.q_heads // cfg.kv_heads,
-                config=cfg.selection(),
+                config=config,
                 device=device,
+                scoring_on_hopper=_scored_on_hopper(q, config, ran_on),
             )
             record.workspace_expected, record.expected_shape = expected, shape
     out = result.out  # type: ignore[attr-defined]
