@@ -3,7 +3,7 @@
 # also when the call's time limit stops the script part-way); with_packages runs a command with the packages'
 # sources and the library in $BIN (nothing of the project is installed on the device); bench_row runs one fpv2 bench
 # row of the planted pipeline into $RESULTS (set by the script); gpu_tests runs pytest into $LOGS; summary reads a
-# native timing log.
+# native timing log; host_breakdown_128k runs the host breakdown of a 128K call.
 device_run_start() {
   ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
   cd "$ROOT" || exit 1
@@ -45,4 +45,13 @@ gpu_tests() {
   with_packages timeout "$limit" python3 -m pytest -p no:cacheprovider -q "$@" > "$LOGS/pytest-$name.log" 2>&1
   echo "GPU tests ($name): rc=$? $(tail -1 "$LOGS/pytest-$name.log")"
   grep -E "^FAILED|^E " "$LOGS/pytest-$name.log" | head -20 | cut -c1-300
+}
+
+# pipeline_profile.py --host-breakdown of one 128K call (page 1, Hopper backend) into $RESULTS/NAME (its JSON) and
+# $RESULTS/NAME-131072.txt, the rows matching PATTERN printed: host_breakdown_128k NAME PATTERN
+host_breakdown_128k() {
+  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
+    --host-breakdown --repeats 30 --out "$RESULTS/$1" > "$RESULTS/$1-131072.txt" 2>&1
+  echo "host breakdown: rc=$?"
+  grep -E "==|whole call|$2" "$RESULTS/$1-131072.txt" | cut -c1-120
 }

@@ -229,11 +229,8 @@ fi
 if [ "$PART" = carve ]; then
   # The carve layout memoised per part list (the pooling's seven outputs: fresh_outputs was about half of
   # launch_pool's host time under cProfile). Prediction: fresh_outputs -10 to -20 us a call, launch_pool likewise.
-  with_packages timeout 120 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
-    --host-breakdown --repeats 30 --out "$RESULTS/host" > "$RESULTS/host-carve-131072.txt" 2>&1
-  echo "host breakdown: rc=$?"
-  grep -E "==|whole call|pool_blocks_triton|launch_pool|fresh_outputs|select_blocks_triton|_launch_hopper" \
-    "$RESULTS/host-carve-131072.txt" | cut -c1-120
+  # (Ran as "host" into host-carve-131072.txt; now host-carve/ and host-carve-131072.txt.)
+  host_breakdown_128k host-carve "pool_blocks_triton|launch_pool|fresh_outputs|select_blocks_triton|_launch_hopper"
 fi
 
 if [ "$PART" = bench ]; then

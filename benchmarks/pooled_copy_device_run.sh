@@ -45,11 +45,7 @@ if [ "$PART" = host ]; then
   # Where the eager call's host time goes now that the backend's copy policy runs before the pooling launch
   # (tile_copies_for). Prediction: tile_copies_for 20-40 us before the pooling launch; the pooling launched at about
   # 0.3 ms into the call (sixteenth session: 0.35 ms).
-  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
-    --host-breakdown --repeats 30 --out "$RESULTS/host" > "$RESULTS/host-131072.txt" 2>&1
-  echo "host breakdown: rc=$?"
-  grep -E "==|whole call|_tile_copies|tile_copies_for|serves|allocate_tile|pool_blocks_triton|launch_pool|validate" \
-    "$RESULTS/host-131072.txt" | cut -c1-120
+  host_breakdown_128k host "_tile_copies|tile_copies_for|serves|allocate_tile|pool_blocks_triton|launch_pool|validate"
   with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
     --marks-only --repeats 30 --out "$RESULTS/marks" > "$RESULTS/marks-131072.txt" 2>&1
   echo "marks: rc=$?"
@@ -61,11 +57,7 @@ if [ "$PART" = verify ]; then
   # host breakdown again. Prediction: _tile_copies 133-177 -> 100-140 us.
   gpu_tests serving 300 packages/fpv2-serving/tests/test_serving_gpu.py packages/fpv2-serving/tests/test_tile_repack_policy.py
   gpu_tests index 200 packages/fpv2-index/tests/test_triton_pooled_tile_copies.py
-  with_packages timeout 150 python3 benchmarks/pipeline_profile.py --seqlen 131072 --page-size 1 --backend hopper \
-    --host-breakdown --repeats 30 --out "$RESULTS/host-verify" > "$RESULTS/host-verify-131072.txt" 2>&1
-  echo "host breakdown: rc=$?"
-  grep -E "==|whole call|_tile_copies|tile_copies_for|serves|allocate_tile|launch_pool" "$RESULTS/host-verify-131072.txt" |
-    cut -c1-120
+  host_breakdown_128k host-verify "_tile_copies|tile_copies_for|serves|allocate_tile|launch_pool"
 fi
 
 if [ "$PART" = suites ]; then
