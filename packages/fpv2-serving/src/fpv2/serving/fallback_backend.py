@@ -12,11 +12,14 @@ wrapped: ``backend="hopper"`` refuses what it cannot serve.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from fpv2.kernel import BlockIndex, CorrectionPlan, PagedPrefillBatch
+
+if TYPE_CHECKING:
+    from fpv2.kernel.triton.tile_repack import TileRepacked
 
 
 class ServesCheck(Protocol):
@@ -74,7 +77,9 @@ class FallbackBackend:
         self.last_choice = (chosen.name, reason)
         return chosen
 
-    def tile_copies_for(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch):
+    def tile_copies_for(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch
+    ) -> TileRepacked | None:
         """The primary's empty tile pages for the call, if it has such a method and will run the call on them.
 
         Returns:

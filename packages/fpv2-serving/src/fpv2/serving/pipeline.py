@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from fpv2.kernel import (
 
 from .backends import AUTO, AttentionBackend, resolve_backend
 from .timing import StageClock, StageTimings
+
+if TYPE_CHECKING:
+    from fpv2.kernel.triton.tile_repack import TileRepacked
 
 #: The strategy that keeps every causally visible block (the dense mode).
 DENSE_STRATEGY = "dense"
@@ -122,7 +126,9 @@ class SparsePrefillPipeline:
             f"backend={self.backend.name!r}, config={self.config!r})"
         )
 
-    def _tile_copies(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch):
+    def _tile_copies(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch
+    ) -> TileRepacked | None:
         """The backend's empty tile pages for this call, when the Triton pooling can fill them, else None."""
         offer = getattr(self.backend, "tile_copies_for", None)
         if not callable(offer) or self.config.block_size != BLOCK_SIZE or not use_triton_index(q):
@@ -253,7 +259,7 @@ def _pool_statistics(
     *,
     bf16_copies: bool = False,
     values: bool = True,
-    tile_copies=None,
+    tile_copies: TileRepacked | None = None,
     **kw,
 ):
     """Pooled K/V: the Triton kernel where the Triton index runs, the reference elsewhere.
