@@ -43,7 +43,7 @@ from fpv2.kernel.contracts import (
     num_query_tiles,
 )
 from fpv2.kernel.triton.relaunch import interpreter_enabled
-from fpv2.kernel.triton.tile_repack import TILE_TOKENS, TileRepacked
+from fpv2.kernel.triton.tile_repack import TILE_TOKENS, TileRepacked, tile_pages_per_request
 
 from ..config import SelectionConfig
 from . import tuning
@@ -250,8 +250,7 @@ def _check_tile_copies(
         raise ValueError("tile_copies needs v_cache: the tile pages carry keys and values")
     if block_size != TILE_TOKENS:
         raise ValueError(f"tile_copies needs block_size={TILE_TOKENS} (a key block is a tile page); got {block_size}")
-    pages = sum(-(-length // TILE_TOKENS) for length in batch.host.seqlens_k)
-    shape = (max(pages, 1), TILE_TOKENS, *k_cache.shape[2:])
+    shape = (max(sum(tile_pages_per_request(batch)), 1), TILE_TOKENS, *k_cache.shape[2:])
     for name, tiles in (("k_cache", tile_copies.k_cache), ("v_cache", tile_copies.v_cache)):
         if tuple(tiles.shape) != shape or tiles.dtype != k_cache.dtype or tiles.device != k_cache.device:
             raise ValueError(
