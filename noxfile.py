@@ -23,6 +23,10 @@ TORCH = os.environ.get("FPV2_TORCH_SPEC", "torch==2.13.0")
 TRITON = os.environ.get("FPV2_TRITON_SPEC", "triton==3.6.0")
 BUILD_REQUIREMENTS = ["scikit-build-core>=0.10", "nvidia-cutlass==4.2.0.0", "cmake>=3.26", "ninja"]
 WHEEL_DIR = "dist"
+# The output of the last wheel build (``_build_wheels``), and where the kernel wheel's CMake build lives
+# (``build-dir`` in packages/fpv2-kernel/pyproject.toml: it persists, so its test programs can be reused).
+BUILD_LOG = os.path.join(WHEEL_DIR, "build.log")
+KERNEL_BUILD_DIRS = "packages/fpv2-kernel/build/*/"
 TEST_REQUIREMENTS = ["pytest>=8", "hypothesis>=6", "numpy", "tqdm", "rich", "matplotlib", "packaging"]
 
 
@@ -33,7 +37,15 @@ def _build_wheels(session: nox.Session) -> list[str]:
     that needs the project installs these files rather than building again.
     """
     shutil.rmtree(WHEEL_DIR, ignore_errors=True)
-    session.run("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", WHEEL_DIR, *PACKAGES)
+    # -v keeps the build's output (ptxas's register and spill report among it) for ``nox -s native -- --reuse``,
+    # which checks the library and test programs this build made instead of compiling them again.
+    log = session.run(
+        "python", "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", WHEEL_DIR, *PACKAGES,
+        silent=True,
+    )  # fmt: skip
+    with open(BUILD_LOG, "w", encoding="utf-8") as out:
+        out.write(log or "")
+    session.log(f"build output: {BUILD_LOG}")
     return _built_wheels(session)
 
 
@@ -108,10 +120,14 @@ def native(session: nox.Session) -> None:
 
     Needs nvcc (no GPU): keeps the CuTe kernel compiling, checks the fragment and tile
     algebra (``fpv2_hopper_layout_check``) and the launcher's refusals. Its GPU modes run on
-    the device through ``scripts/hopper_check.sh``.
+    the device through ``scripts/hopper_check.sh``. ``nox -s native -- --reuse`` compiles nothing:
+    it runs the same checks on the kernel wheel's build from an earlier ``tests`` or ``build`` session.
     """
     if shutil.which("nvcc") is None:
         session.skip("nvcc not found")
+    if "--reuse" in session.posargs:
+        _native_checks_of_wheel_build(session)
+        return
     session.install(*BUILD_REQUIREMENTS)
     cutlass = session.run(
         "python",
@@ -133,6 +149,27 @@ def native(session: nox.Session) -> None:
     # An incremental build that did not recompile the kernel prints no report: nothing to check then.
     session.run("python", "packages/fpv2-kernel/tools/check_ptxas_report.py", log_path, "--allow-missing")
     session.run(os.path.join(build_dir, "fpv2_hopper_layout_check"), external=True)
+    session.run(os.path.join(build_dir, "fpv2_hopper_prefill_test"), "--mode", "refusals", external=True)
+
+
+def _native_checks_of_wheel_build(session: nox.Session) -> None:
+    """The ``native`` checks on what the last wheel build compiled (``nox -s native -- --reuse``, used by CI).
+
+    The kernel wheel's CMake build makes the library and both test programs (FPV2_BUILD_HOPPER_KERNEL is on
+    by default), so compiling them again here would repeat its 6-10 minutes. Its ptxas report must be in
+    ``dist/build.log``: an incremental build recompiles nothing and reports nothing, so that is refused.
+    """
+    checker = "fpv2_hopper_layout_check"
+    build_dirs = [d for d in glob.glob(KERNEL_BUILD_DIRS) if os.path.isfile(os.path.join(d, checker))]
+    if len(build_dirs) != 1 or not os.path.isfile(BUILD_LOG):
+        session.error(
+            f"--reuse needs one kernel wheel build with its test programs ({KERNEL_BUILD_DIRS}, found {build_dirs}) "
+            f"and its output {BUILD_LOG}: run `nox -s tests` (or `nox -s build`) first"
+        )
+    build_dir = build_dirs[0]
+    session.log(f"reusing the kernel wheel's build in {build_dir} and its output {BUILD_LOG}")
+    session.run("python", "packages/fpv2-kernel/tools/check_ptxas_report.py", BUILD_LOG)
+    session.run(os.path.join(build_dir, checker), external=True)
     session.run(os.path.join(build_dir, "fpv2_hopper_prefill_test"), "--mode", "refusals", external=True)
 
 
