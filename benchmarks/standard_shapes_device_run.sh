@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Device run: the rows of BENCHMARKS.md's standard shapes that the record lacks, on the landed code, plus the soak's
+# GPU checks; from the repository root, with the library built on the development machine.
+#
+#   benchmarks/standard_shapes_device_run.sh soak     the soak's GPU test (Triton scoring pinned), then a 400-call
+#                                                     soak on the defaults (sm_90: Hopper scoring, `auto` backend)
+#   benchmarks/standard_shapes_device_run.sh pages    fpv2 bench, planted, corrected, `auto`: 1 x 8K at page 1, and
+#                                                     1 x 32K / 1 x 128K at pages 16 and 64
+#   benchmarks/standard_shapes_device_run.sh heads    1 x 32K / 1 x 128K with GQA 28/4 (Qwen-like) and with d = 64,
+#                                                     page 1
+#   benchmarks/standard_shapes_device_run.sh clocks   1 x 128K and 4 x 128K at page 1 with the SM clock, power and
+#                                                     throttle reasons sampled every 100 ms
+#   benchmarks/standard_shapes_device_run.sh short    the 8K and 32K rows of `pages` and the default soak again (their
+#                                                     files did not come back from the first call)
+# Each part's results go into its archive, $OUT/standard-shapes-PART.tgz (results/ beside the logs).
+#
+# Predictions (written before the runs): the soak passes with 0 host syncs a call and its workspace on the formula
+# (P = 1 on Hopper-scored calls). Pages 16 and 64 go through the tile repack like page 1 (pages that are not a
+# multiple of 128), so 128K lands within 0.3 ms of page 1's 14.1 ms; 8K is dense-fallback heavy (its last tiles and
+# its window cover much of it): density 30-50%, 1.3-2x own dense. GQA 28/4 (7 query heads a KV head): the Hopper
+# kernel's PackGQA tiles take any group, so `auto` keeps it; 128K about 28/32 of the 32/8 time if the same density.
+# d = 64: about 0.6x the d = 128 time at 128K. 4 x 128K runs 4.27x one 128K call's attention kernel (last session):
+# if the SM clock drops during the 56 ms call, the throttle reasons say why.
+#
+# Environment: SCORE_BIN folder with libfpv2_kernel.so [.carry/head]; OUT.
+set -u -o pipefail
+# shellcheck source=benchmarks/device_run_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
+device_run_start standard-shapes "${1:-soak}" "${SCORE_BIN:-.carry/head}"
+# Everything in the part's archive: the device returns a few files a call, so the loose JSONs would not all come back.
+RESULTS="$LOGS/results"
+mkdir -p "$RESULTS"
+
+# Sample the GPU's SM clock, power and throttle reasons into $RESULTS/clocks-NAME.csv while a command runs:
+# with_clocks NAME COMMAND...
+with_clocks() {
+  local name="$1"
+  shift
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 100 > "$RESULTS/clocks-$name.csv" 2>&1 &
+  local sampler=$!
+  "$@"
+  kill "$sampler" 2> /dev/null
+  wait "$sampler" 2> /dev/null
+  echo "clocks ($name): $(tail -n +2 "$RESULTS/clocks-$name.csv" | awk -F', ' '{print $2}' | sort -n | uniq -c |
+    sort -rn | head -4 | tr '\n' ';')"
+}
+
+if [ "$PART" = soak ]; then
+  gpu_tests soak 300 packages/fpv2-serving/tests/test_soak.py -m gpu
+  with_packages timeout 300 python3 benchmarks/soak.py --calls 400 --out "$RESULTS/soak-default" \
+    > "$LOGS/soak-default.log" 2>&1
+  echo "soak (defaults): rc=$?"
+  grep -v Warning "$LOGS/soak-default.log" | tail -12 | cut -c1-200
+fi
+
+if [ "$PART" = pages ]; then
+  bench_row 1 8192 bench-8k-page1 120 --page-size 1
+  bench_row 1 32768 bench-32k-page16 120 --page-size 16
+  bench_row 1 131072 bench-128k-page16 150 --page-size 16
+  bench_row 1 32768 bench-32k-page64 120 --page-size 64
+  bench_row 1 131072 bench-128k-page64 150 --page-size 64
+fi
+
+if [ "$PART" = short ]; then  # the rows of `pages` whose JSONs did not come back from the first call
+  bench_row 1 8192 bench-8k-page1 120 --page-size 1
+  bench_row 1 32768 bench-32k-page16 120 --page-size 16
+  bench_row 1 32768 bench-32k-page64 120 --page-size 64
+  with_packages timeout 300 python3 benchmarks/soak.py --calls 400 --out "$RESULTS/soak-default" \
+    > "$LOGS/soak-default.log" 2>&1
+  echo "soak (defaults): rc=$?"
+  grep -E "verdict|syncs|workspace" "$LOGS/soak-default.log" | cut -c1-200
+fi
+
+if [ "$PART" = heads ]; then
+  bench_row 1 32768 bench-32k-gqa28-4 120 --page-size 1 --q-heads 28 --kv-heads 4
+  bench_row 1 131072 bench-128k-gqa28-4 150 --page-size 1 --q-heads 28 --kv-heads 4
+  bench_row 1 32768 bench-32k-d64 120 --page-size 1 --head-dim 64
+  bench_row 1 131072 bench-128k-d64 150 --page-size 1 --head-dim 64
+fi
+
+if [ "$PART" = clocks ]; then
+  with_clocks 128k bench_row 1 131072 bench-128k-page1 150 --page-size 1
+  with_clocks 4x128k bench_row 4 131072 bench-4x128k-page1 280 --page-size 1
+fi
