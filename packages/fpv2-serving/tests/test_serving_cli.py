@@ -121,6 +121,20 @@ def test_bench_tiny_cpu_writes_results_summary_and_png(tmp_path, capsys):
     assert pngs[0].read_bytes()[:8] == PNG_MAGIC
 
 
+def test_bench_warmup_ms_is_gpu_only_and_recorded(tmp_path, capsys, monkeypatch):
+    from fpv2.serving import bench
+
+    def no_timed_warm_up(*args, **kwargs):
+        raise AssertionError("the time-based warm-up runs on CUDA only")
+
+    monkeypatch.setattr(bench, "warm_for", no_timed_warm_up)
+    code = main(["bench", *TINY_RUN, "--warmup-ms", "1000", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    payload = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
+    assert payload["config"]["warmup_ms"] == 1000.0
+    assert payload["rows"] and all(row["warmup_ms"] == 0.0 for row in payload["rows"])  # none ran on the CPU
+
+
 def test_bench_on_vllm_views_gives_the_paged_runs_results(tmp_path, capsys):
     # --cache-layout vllm hands the pipeline vLLM's strided K/V views of one buffer: same values, other strides.
     rows = {}
@@ -149,6 +163,14 @@ def test_bench_needle_and_ablation(tmp_path, capsys):
     assert sparse[0]["density"] == sparse[1]["density"] and sparse[0]["rel_err"] != sparse[1]["rel_err"]
 
 
+def test_warmup_ms_reaches_the_config_and_defaults_to_zero():
+    parser, _ = cli._build_parser()
+    config, _ = cli._bench_config(parser.parse_args(["bench", "--device", "cpu"]))
+    assert config.warmup_ms == 0.0
+    config, _ = cli._bench_config(parser.parse_args(["bench", "--device", "cpu", "--warmup-ms", "1500"]))
+    assert config.warmup_ms == 1500.0
+
+
 def test_cpu_defaults_are_small_and_announced():
     parser, _ = cli._build_parser()
     config, notices = cli._bench_config(parser.parse_args(["bench", "--device", "cpu"]))
@@ -175,6 +197,8 @@ def test_cpu_defaults_are_small_and_announced():
         (["bench", "--backend", "nope"], "choose one of: auto, hopper, triton, reference"),
         (["bench", "--strategy", "nope"], "--strategy 'nope' is unknown"),
         (["bench", "--no-correction", "--ablation"], "exclude each other"),
+        (["bench", "--warmup-ms", "-1"], "--warmup-ms must be >= 0"),
+        (["bench", "--warmup-ms", "nan"], "--warmup-ms must be >= 0"),
         (["bench", "--dtype", "int8"], "invalid choice"),
         (["bench", "--cache-layout", "sglang"], "invalid choice"),
         (["bench", "-L", "many"], "invalid int value"),

@@ -231,3 +231,34 @@ def test_idle_host_us_times_each_call_after_a_sync():
     us = idle_host_us(lambda: calls.append(torch.cuda.current_stream().query()), calls=7)
     assert len(calls) == 7 and all(calls)  # every call found the GPU idle
     assert us > 0 and round(us, 1) == us
+
+
+def test_warm_for_calls_until_the_time_has_passed(monkeypatch):
+    # A fake clock that advances 3 ms per call: 10 ms of warm-up take 4 calls (0, 3, 6, 9 ms elapsed before them).
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    calls = []
+
+    def fn():
+        calls.append(now[0])
+        now[0] += 0.003
+
+    assert timing.warm_for(fn, 10.0, torch.device("cpu")) == 4
+    assert len(calls) == 4
+
+
+def test_warm_for_calls_at_least_once():
+    calls = []
+    assert timing.warm_for(lambda: calls.append(1), 0.0, torch.device("cpu")) == 1
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_warm_for_waits_for_each_call_on_the_gpu():
+    device = torch.device("cuda")
+    seen = []
+    timing.warm_for(
+        lambda: (seen.append(torch.cuda.current_stream(device).query()), torch.cuda._sleep(100_000)), 5.0, device
+    )
+    assert len(seen) >= 2 and all(seen)  # each call found the previous one finished

@@ -27,7 +27,7 @@ from .heatmap import SelectionPanel, write_selection_heatmap
 from .metrics import dense_causal_flops, index_flops, relative_l2_error, select_rows, tflops
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline
 from .report import render_table, summary_record, write_json
-from .timing import StageTimings, host_ahead_samples, median, timed_samples
+from .timing import StageTimings, host_ahead_samples, median, timed_samples, warm_for
 
 #: ``--dtype`` names and the element type of the timed inputs.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -74,6 +74,9 @@ class BenchConfig:
     heatmap_head: int
     needle: bool
     progress: bool = True
+    #: Milliseconds each timed implementation first runs on its own calls (:func:`~fpv2.serving.timing.warm_for`,
+    #: GPU only), before the ``warmup`` calls; 0 keeps the call-count warm-up alone.
+    warmup_ms: float = 0.0
     #: ``paged`` (a contiguous paged cache per K and V) or ``vllm`` (vLLM 0.33's strided K/V views of one
     #: layer buffer in its default token-major order, :func:`~fpv2.serving.adapters.vllm_kv_cache.paged_as_kv_cache`).
     cache_layout: str = "paged"
@@ -190,7 +193,8 @@ class _Measured:
 
 
 def _measure(fn: Callable[[], object], cfg: BenchConfig, device: torch.device, tick: Callable[[], None]) -> _Measured:
-    """Warm up, time ``cfg.repeats`` calls, then (on CUDA) ``cfg.repeats`` more with the host ahead."""
+    """Warm up (on CUDA first for ``cfg.warmup_ms``), time ``cfg.repeats`` calls, then (on CUDA) ``cfg.repeats``
+    more with the host ahead."""
     stages: list[StageTimings] = []
     gpu_stages: list[StageTimings] = []
 
@@ -202,6 +206,8 @@ def _measure(fn: Callable[[], object], cfg: BenchConfig, device: torch.device, t
 
         return after_call
 
+    if device.type == "cuda" and cfg.warmup_ms > 0:
+        warm_for(fn, cfg.warmup_ms, device)
     samples, result = timed_samples(fn, cfg.warmup, cfg.repeats, device, on_call=collect(stages))
     if device.type != "cuda":
         return _Measured(samples, stages, result)
@@ -302,6 +308,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
         "backend": backend.name,
         "timer": timer,
         "repeats": cfg.repeats,
+        "warmup_ms": cfg.warmup_ms if device.type == "cuda" else 0.0,
     }
 
     def needle_error(out: torch.Tensor) -> float | None:

@@ -92,6 +92,13 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run = bench.add_argument_group("measurement")
     run.add_argument("--repeats", type=int, help="timed runs (default 10 on a GPU, 3 on the CPU)")
     run.add_argument("--warmup", type=int, help="warm-up runs (default 3 on a GPU, 1 on the CPU)")
+    run.add_argument(
+        "--warmup-ms",
+        type=float,
+        default=0.0,
+        help="GPU: first run each timed implementation on its own calls for this many milliseconds, so that the "
+        "GPU's clock no longer reflects the previous row (default 0: the warm-up runs alone)",
+    )
     run.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     run.add_argument("--out", type=Path, default=Path("fpv2-results"), help="output folder (default fpv2-results/)")
     run.add_argument("--heatmap-head", type=int, default=0, help="KV head drawn in the heatmap (request 0)")
@@ -162,6 +169,8 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
             raise _ArgumentError(f"{flag} must be >= 1; got {value[key]}")
     if value["warmup"] < 0:
         raise _ArgumentError(f"--warmup must be >= 0; got {value['warmup']}")
+    if not args.warmup_ms >= 0:  # also refuses nan
+        raise _ArgumentError(f"--warmup-ms must be >= 0; got {args.warmup_ms}")
     if value["min_sparse_kv_len"] is not None and value["min_sparse_kv_len"] < 0:
         raise _ArgumentError(f"--min-sparse-kv-len must be >= 0; got {value['min_sparse_kv_len']}")
     if value["q_heads"] % value["kv_heads"]:
@@ -207,6 +216,7 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         min_sparse_kv_len=value["min_sparse_kv_len"],
         repeats=value["repeats"],
         warmup=value["warmup"],
+        warmup_ms=args.warmup_ms,
         seed=args.seed,
         device=str(device),
         out=args.out,

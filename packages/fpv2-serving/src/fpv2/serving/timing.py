@@ -203,6 +203,33 @@ def timed_samples(
     return samples, result
 
 
+def warm_for(fn: Callable[[], object], ms: float, device: torch.device) -> int:
+    """Call ``fn`` until ``ms`` milliseconds have passed (at least once), waiting for each call to finish.
+
+    A time-based warm-up: a GPU's clock follows its power draw over about a second, so a few warm-up calls
+    right after a heavier workload (``fpv2 bench``'s dense baselines hold an H200 at its power cap) still run
+    at that workload's clock. Warming each implementation up on its own calls for a while makes its timing
+    independent of what ran before it.
+
+    Args:
+        fn: the call.
+        ms: wall milliseconds to keep calling (``<= 0``: one call).
+        device: where it runs (CUDA: synchronised after every call).
+
+    Returns:
+        The number of calls made.
+    """
+    calls = 0
+    start = time.perf_counter()
+    while True:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        calls += 1
+        if (time.perf_counter() - start) * 1e3 >= ms:
+            return calls
+
+
 #: Shortest GPU spin before a host-ahead call, in milliseconds (host issue of a pipeline call: 0.2-0.8 ms).
 HOST_AHEAD_MIN_LEAD_MS = 2.0
 #: Longest spin a host-ahead call may ask for before giving up (a call that waits on the GPU never gets ahead).
