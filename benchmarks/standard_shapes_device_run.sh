@@ -12,6 +12,9 @@
 #                                                     throttle reasons sampled every 100 ms
 #   benchmarks/standard_shapes_device_run.sh short    the 8K and 32K rows of `pages` and the default soak again (their
 #                                                     files did not come back from the first call)
+#   benchmarks/standard_shapes_device_run.sh triton | triton-fp8 | ablation   (not yet run) the Triton backend's rows
+#                                                     at 8K and 4 x 128K, bf16 and fp8, with and without the
+#                                                     correction; the Hopper pipeline's ablation at 32K and 128K
 # Each part's results go into its archive, $OUT/standard-shapes-PART.tgz (results/ beside the logs).
 #
 # Predictions (written before the runs): the soak passes with 0 host syncs a call and its workspace on the formula
@@ -77,6 +80,21 @@ if [ "$PART" = heads ]; then
   bench_row 1 131072 bench-128k-gqa28-4 150 --page-size 1 --q-heads 28 --kv-heads 4
   bench_row 1 32768 bench-32k-d64 120 --page-size 1 --head-dim 64
   bench_row 1 131072 bench-128k-d64 150 --page-size 1 --head-dim 64
+fi
+
+if [ "$PART" = triton ]; then  # not yet run: issue 4's rows of the portable kernel at 8K and 4 x 128K (page 1)
+  bench_row 1 8192 bench-8k-triton 150 --page-size 1 --backend triton --ablation
+  bench_row 1 8192 bench-8k-triton-fp8 150 --page-size 1 --backend triton --ablation --dtype fp8
+  bench_row 4 131072 bench-4x128k-triton 400 --page-size 1 --backend triton --ablation
+fi
+
+if [ "$PART" = triton-fp8 ]; then  # not yet run
+  bench_row 4 131072 bench-4x128k-triton-fp8 400 --page-size 1 --backend triton --ablation --dtype fp8
+fi
+
+if [ "$PART" = ablation ]; then  # not yet run: the Hopper pipeline with and without the correction at page 1
+  bench_row 1 32768 bench-32k-ablation 150 --page-size 1 --ablation
+  bench_row 1 131072 bench-128k-ablation 200 --page-size 1 --ablation
 fi
 
 if [ "$PART" = clocks ]; then
