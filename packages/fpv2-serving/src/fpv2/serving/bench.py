@@ -22,7 +22,7 @@ from fpv2.kernel.testing import PlantedWorkload, planted_workload
 
 from .backends import resolve_backend
 from .baselines import sdpa_baselines
-from .environment import environment_record, git_commit, gpu_name
+from .environment import environment_record, git_commit, gpu_clock_state, gpu_name
 from .heatmap import SelectionPanel, write_selection_heatmap
 from .metrics import dense_causal_flops, index_flops, relative_l2_error, select_rows, tflops
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline
@@ -180,16 +180,20 @@ class _Measured:
     gpu_samples: list[float] | None = None
     gpu_stages: list[StageTimings] = field(default_factory=list)
     host_ahead_tried: bool = False
+    #: The GPU's clock and power before the timed calls and after the host-ahead ones (CUDA only).
+    clock: dict[str, object] | None = None
 
     def gpu_fields(self, *, stage_ms: str | None = None) -> dict[str, object]:
         """The row's host-ahead columns (``gpu_ms`` the whole call, or the stage ``stage_ms``), or ``{}``."""
+        clock = {"gpu_clock": self.clock} if self.clock is not None else {}
         if self.gpu_samples is None:
             if self.host_ahead_tried:  # never silently absent on a GPU
-                return {"gpu_ms": None, "gpu_note": "the host never got ahead: the call waits on the GPU"}
-            return {}
+                return {"gpu_ms": None, "gpu_note": "the host never got ahead: the call waits on the GPU", **clock}
+            return clock
         split = _stage_medians(self.gpu_stages) if self.gpu_stages else {}
         ms = split[stage_ms] if stage_ms is not None else median(self.gpu_samples)
-        return {"gpu_ms": ms, "gpu_samples_ms": self.gpu_samples, **{f"gpu_{k}": v for k, v in split.items()}}
+        gpu = {f"gpu_{k}": v for k, v in split.items()}
+        return {"gpu_ms": ms, "gpu_samples_ms": self.gpu_samples, **gpu, **clock}
 
 
 def _measure(fn: Callable[[], object], cfg: BenchConfig, device: torch.device, tick: Callable[[], None]) -> _Measured:
@@ -208,12 +212,14 @@ def _measure(fn: Callable[[], object], cfg: BenchConfig, device: torch.device, t
 
     if device.type == "cuda" and cfg.warmup_ms > 0:
         warm_for(fn, cfg.warmup_ms, device)
+    before = gpu_clock_state(device)
     samples, result = timed_samples(fn, cfg.warmup, cfg.repeats, device, on_call=collect(stages))
     if device.type != "cuda":
         return _Measured(samples, stages, result)
     result = None  # free the output before the host-ahead calls allocate theirs
     gpu_samples, result = host_ahead_samples(fn, cfg.repeats, device, on_call=collect(gpu_stages))
-    return _Measured(samples, stages, result, gpu_samples, gpu_stages if gpu_samples is not None else [], True)
+    clock = {"before": before, "after": gpu_clock_state(device)}
+    return _Measured(samples, stages, result, gpu_samples, gpu_stages if gpu_samples is not None else [], True, clock)
 
 
 def _gpu_speedup(dense_gpu: dict[str, object], gpu: dict[str, object]) -> dict[str, object]:

@@ -120,6 +120,47 @@ def gpu_name(device: torch.device) -> str:
     return device.type
 
 
+def gpu_clock_state(device: torch.device) -> dict[str, object] | None:
+    """The device's SM clock and power draw now, for a benchmark row's record; None off CUDA or unreadable.
+
+    Read through NVML (``torch.cuda.clock_rate`` and ``power_draw``, which need the ``nvidia-ml-py`` binding),
+    else through ``nvidia-smi`` when ``CUDA_VISIBLE_DEVICES`` does not renumber the devices. An H200 at its power
+    cap runs its SM clock at 1500-1700 MHz instead of 1980, and keeps it there for about a second after the load
+    that caused it: a timing is read with the clock it ran at.
+
+    Args:
+        device: the benchmark device.
+
+    Returns:
+        ``{"sm_mhz": float, "watts": float, "source": "nvml" | "nvidia-smi"}``, or None.
+    """
+    if device.type != "cuda":
+        return None
+    try:
+        return {
+            "sm_mhz": float(torch.cuda.clock_rate(device)),
+            "watts": round(torch.cuda.power_draw(device) / 1000.0, 1),  # NVML reports milliwatts
+            "source": "nvml",
+        }
+    except Exception:  # no NVML binding (ModuleNotFoundError) or an NVML error: try the command line
+        pass
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return None  # nvidia-smi numbers the devices of the whole machine
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", f"--id={index}", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        mhz, watts = (float(x) for x in text.strip().split(","))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return {"sm_mhz": mhz, "watts": watts, "source": "nvidia-smi"}
+
+
 def selection_strategies() -> str:
     """Comma-separated selection strategies of ``fpv2.index``, or why they cannot be listed.
 
