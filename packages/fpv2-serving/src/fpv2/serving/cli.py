@@ -7,6 +7,7 @@ available), 2 bad arguments (with a message on stderr).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -169,8 +170,8 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
             raise _ArgumentError(f"{flag} must be >= 1; got {value[key]}")
     if value["warmup"] < 0:
         raise _ArgumentError(f"--warmup must be >= 0; got {value['warmup']}")
-    if not args.warmup_ms >= 0:  # also refuses nan
-        raise _ArgumentError(f"--warmup-ms must be >= 0; got {args.warmup_ms}")
+    if not (math.isfinite(args.warmup_ms) and args.warmup_ms >= 0):
+        raise _ArgumentError(f"--warmup-ms must be a finite number >= 0; got {args.warmup_ms}")
     if value["min_sparse_kv_len"] is not None and value["min_sparse_kv_len"] < 0:
         raise _ArgumentError(f"--min-sparse-kv-len must be >= 0; got {value['min_sparse_kv_len']}")
     if value["q_heads"] % value["kv_heads"]:
