@@ -2,7 +2,11 @@
 
 On the planted workload (BENCHMARKS.md), B=1 and no prefix, at each KV length
 of ``--seqlens`` and for every (page size, alpha) asked for, this times
-(median of ``--repeats`` runs after ``--warmup``, CUDA events on a GPU):
+(median of ``--repeats`` runs after ``--warmup``, CUDA events on a GPU; on a GPU
+also with the host ahead of the GPU, as inside a model's forward pass, where
+the host issues a layer's attention while the GPU still runs earlier work;
+``--timing`` picks which pair the curve compares, host-ahead by default, and
+the results JSON keeps both):
 
 - ``sparse``: the whole :class:`fpv2.serving.pipeline.SparsePrefillPipeline` call
   (pooling, index, correction plan, attention) with ``min_sparse_kv_len = 0``, so
@@ -53,12 +57,14 @@ from fpv2.serving.routing import (
     RoutingPoint,
     RoutingTable,
 )
-from fpv2.serving.timing import benchmark_device, median, protocol_notes, timed_samples
+from fpv2.serving.timing import benchmark_device, host_ahead_samples, median, protocol_notes, timed_samples
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if name != "fp8"}
 #: Fewest timed runs the protocol accepts on a GPU.
 #: The KV lengths of the issue (2K .. 32K).
 DEFAULT_SEQLENS = (2048, 4096, 8192, 16384, 32768)
+#: What a curve's points compare (``--timing``).
+TIMINGS = ("host-ahead", "eager")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--margin", type=float, default=7.0, help="planted logit margin")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default="host-ahead",
+        help="the times the curve compares: host-ahead (default; GPU time with the host ahead, as inside a model's "
+        "forward pass) or eager (CUDA events around each call, the host's time to issue it included); the CPU "
+        "always times eagerly; both are recorded per point",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", type=Path, required=True, help="folder for the table, results JSON and plot")
@@ -146,33 +160,67 @@ def measure_point(
     _ = batch.host  # read the host view once: an engine seeds it and never pays that sync per call
     log(f"[{key}] L={kv_len}: timing the sparse pipeline")
     sparse = routed.sparse_pipeline
-    sparse_samples, result = timed_samples(lambda: sparse(q, k, v, batch), args.warmup, args.repeats, device)
+
+    def sparse_call() -> object:
+        return sparse(q, k, v, batch)
+
+    sparse_samples, result = timed_samples(sparse_call, args.warmup, args.repeats, device)
     assert isinstance(result, PrefillResult)
     density = float(result.index.density(batch))
     stages = result.timings
     sparse_out = result.out
     del result
+    sparse_ahead = _host_ahead(sparse_call, args, device)
     log(f"[{key}] L={kv_len}: timing the dense path ({routed.dense_path})")
-    dense_samples, dense_out = timed_samples(
-        lambda: routed.run_dense(q, k, v, batch), args.warmup, args.repeats, device
-    )
+
+    def dense_call() -> object:
+        return routed.run_dense(q, k, v, batch)
+
+    dense_samples, dense_out = timed_samples(dense_call, args.warmup, args.repeats, device)
     assert isinstance(dense_out, torch.Tensor)
+    dense_ahead = _host_ahead(dense_call, args, device)
     # The two paths must agree up to the selection's error, or the timing compares different things.
     error = relative_l2_error(sparse_out, dense_out)
-    point = RoutingPoint(kv_len, median(sparse_samples), median(dense_samples), density)
+    eager = (median(sparse_samples), median(dense_samples))
+    ahead = (median(sparse_ahead), median(dense_ahead)) if sparse_ahead and dense_ahead else None
+    # A call that never let the host get ahead has no host-ahead time: its point falls back to the eager pair.
+    timing = "host-ahead" if args.timing == "host-ahead" and ahead is not None else "eager"
+    sparse_ms, dense_ms = ahead if timing == "host-ahead" else eager
+    point = RoutingPoint(kv_len, sparse_ms, dense_ms, density)
     row = {
         **key.to_dict(),
         "kv_len": kv_len,
+        "timing": timing,
         "sparse_ms": point.sparse_ms,
         "dense_ms": point.dense_ms,
         "speedup": point.dense_ms / point.sparse_ms,
+        "eager_sparse_ms": eager[0],
+        "eager_dense_ms": eager[1],
+        "host_ahead_sparse_ms": ahead[0] if ahead else None,
+        "host_ahead_dense_ms": ahead[1] if ahead else None,
         "density": density,
         "sparse_vs_dense_rel_err": error,
         "last_sparse_stages_ms": dataclasses.asdict(stages),
         "sparse_samples_ms": sparse_samples,
         "dense_samples_ms": dense_samples,
+        "host_ahead_sparse_samples_ms": sparse_ahead,
+        "host_ahead_dense_samples_ms": dense_ahead,
     }
     return point, row
+
+
+def _curve_timing(point_timings: list[str]) -> str:
+    """The curve's ``timing``: the one its points share, or ``"mixed"``."""
+    kinds = set(point_timings)
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def _host_ahead(call: Callable[[], object], args: argparse.Namespace, device: torch.device) -> list[float] | None:
+    """Host-ahead samples of ``call`` (CUDA only, right after its eager samples warmed it up), else None."""
+    if device.type != "cuda":
+        return None
+    samples, _ = host_ahead_samples(call, args.repeats, device)
+    return samples
 
 
 def measure_curve(
@@ -221,6 +269,8 @@ def measure_curve(
         "workload": "planted",
         "batch": 1,
         "timer": "cuda-events" if device.type == "cuda" else "perf_counter",
+        # What the points compare (each point's sparse and dense times are of one kind; see the result rows).
+        "timing": _curve_timing([str(r["timing"]) for r in rows]),
         "repeats": args.repeats,
         "warmup": args.warmup,
         "commit": git_commit(),

@@ -368,6 +368,20 @@ def test_switch_point_script_dry_run_writes_a_loadable_table(tmp_path, capsys):
     assert all(p.sparse_ms > 0 and p.dense_ms > 0 and 0 < p.density <= 1 for p in curve.points)
     assert (next(tmp_path.glob("*.png"))).read_bytes()[:4] == b"\x89PNG"
     assert "switch point" in capsys.readouterr().out
+    # The CPU is synchronous: no host-ahead time, so the curve compares the eager pair and says so.
+    assert curve.meta["timing"] == "eager"
+    rows = json.loads(next(tmp_path.glob("routing-switch-point-*.json")).read_text())["rows"]
+    assert all(r["timing"] == "eager" and r["host_ahead_sparse_ms"] is None for r in rows)
+    assert all(r["sparse_ms"] == r["eager_sparse_ms"] and r["dense_ms"] == r["eager_dense_ms"] for r in rows)
+
+
+def test_switch_point_script_names_a_curve_by_the_timing_its_points_share():
+    script = _load_script()
+    assert script._curve_timing(["host-ahead", "host-ahead"]) == "host-ahead"
+    assert script._curve_timing(["eager"]) == "eager"
+    assert script._curve_timing(["host-ahead", "eager"]) == "mixed"
+    assert script.parse_args(["--out", "x"]).timing == "host-ahead"
+    assert script.parse_args(["--out", "x", "--timing", "eager"]).timing == "eager"
 
 
 # ------------------------------------------------------------------- shipped measurement
