@@ -97,8 +97,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--warmup-ms",
         type=float,
         default=0.0,
-        help="GPU: first run each timed implementation on its own calls for this many milliseconds, so that the "
-        "GPU's clock no longer reflects the previous row (default 0: the warm-up runs alone)",
+        help="GPU: first run each timed implementation on its own calls for this many milliseconds, so that it is "
+        "timed at its own steady clock rather than the previous row's (default 0: the warm-up runs alone)",
     )
     run.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     run.add_argument("--out", type=Path, default=Path("fpv2-results"), help="output folder (default fpv2-results/)")

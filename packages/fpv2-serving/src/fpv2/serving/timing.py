@@ -207,9 +207,9 @@ def warm_for(fn: Callable[[], object], ms: float, device: torch.device) -> int:
     """Call ``fn`` until ``ms`` milliseconds have passed (at least once), waiting for each call to finish.
 
     A time-based warm-up: a GPU's clock follows its power draw over about a second, so a few warm-up calls
-    right after a heavier workload (``fpv2 bench``'s dense baselines hold an H200 at its power cap) still run
-    at that workload's clock. Warming each implementation up on its own calls for a while makes its timing
-    independent of what ran before it.
+    right after a heavier workload (``fpv2 bench``'s dense baselines hold an H200 at its power cap) can still
+    run at that workload's clock. Warming each implementation up on its own calls for a while is meant to time
+    it at its own steady clock instead (how much that changes a timing is not measured yet).
 
     Args:
         fn: the call.
