@@ -31,15 +31,12 @@ if [ "$PART" = probe ]; then
 fi
 
 if [ "$PART" = bench ]; then
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active --format=csv -lms 100 \
-    > "$RESULTS/clocks.csv" 2>&1 &
-  sampler=$!
   run=0
   for warm in 0 1500 1500 0; do  # A B B A
     run=$((run + 1))
-    bench_row 1 131072 "bench-128k-$run-warm$warm" 200 --page-size 1 --warmup-ms "$warm"
+    with_clocks "128k-$run-warm$warm" bench_row 1 131072 "bench-128k-$run-warm$warm" 200 --page-size 1 \
+      --warmup-ms "$warm"
   done
-  bench_row 4 131072 bench-4x128k-warm0 280 --page-size 1 --warmup-ms 0
-  bench_row 4 131072 bench-4x128k-warm1500 300 --page-size 1 --warmup-ms 1500
-  kill "$sampler" 2> /dev/null
+  with_clocks 4x128k-warm0 bench_row 4 131072 bench-4x128k-warm0 280 --page-size 1 --warmup-ms 0
+  with_clocks 4x128k-warm1500 bench_row 4 131072 bench-4x128k-warm1500 300 --page-size 1 --warmup-ms 1500
 fi

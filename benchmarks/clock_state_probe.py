@@ -11,16 +11,14 @@ default backend) in three GPU states, twice each in the order A B C A B C:
 - ``own-warm``: after at least 1.5 s of the pipeline's own calls (its steady state, as inside a model's forward).
 
 Each state: eager and host-ahead medians of ``--repeats`` calls after 3 warm-up calls (the bench's measurement),
-and the SM clock and power read before and after (NVML through torch, else ``nvidia-smi``).
+and the SM clock and power read before and after (:func:`fpv2.serving.environment.gpu_clock_state`).
 
 Usage (the packages' ``src`` on ``PYTHONPATH``, on a GPU): ``python benchmarks/clock_state_probe.py --out probe.json``
 """
 
 from __future__ import annotations
 
-import subprocess
 import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -28,34 +26,11 @@ from shape_rows import shape_main
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.testing import planted_workload
+from fpv2.serving.environment import gpu_clock_state
 from fpv2.serving.pipeline import DENSE_STRATEGY, SparsePrefillPipeline
-from fpv2.serving.timing import host_ahead_samples, median, timed_samples
+from fpv2.serving.timing import host_ahead_samples, median, timed_samples, warm_for
 
 STATES = ("after-dense", "after-idle", "own-warm")
-
-
-def gpu_state(device: torch.device) -> dict[str, float | None]:
-    """SM clock (MHz) and power draw (W) now."""
-    try:
-        return {"sm_mhz": float(torch.cuda.clock_rate(device)), "watts": torch.cuda.power_draw(device) / 1000.0}
-    except Exception:  # no NVML binding: ask nvidia-smi
-        query = ["nvidia-smi", f"--id={device.index or 0}", "--query-gpu=clocks.sm,power.draw"]
-        text = subprocess.run([*query, "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
-        try:
-            mhz, watts = (float(x) for x in text.strip().split(","))
-        except ValueError:
-            return {"sm_mhz": None, "watts": None}
-        return {"sm_mhz": mhz, "watts": watts}
-
-
-def run_for(call: Callable[[], object], seconds: float, device: torch.device) -> int:
-    """Repeat ``call`` until ``seconds`` have passed (synchronised every call); the number of calls."""
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        call()
-        torch.cuda.synchronize(device)
-        calls += 1
-    return calls
 
 
 def row(batch: int, length: int, repeats: int, alpha: float, device: torch.device) -> dict:
@@ -69,15 +44,15 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
     measured: dict[str, list[dict]] = {s: [] for s in STATES}
     for state in STATES * 2:
         if state == "after-dense":
-            prior = {"dense_calls": run_for(dense, 3.0, device)}
+            prior = {"dense_calls": warm_for(dense, 3000.0, device)}
         elif state == "after-idle":
             time.sleep(3.0)
             prior = {"idle_s": 3.0}
         else:
-            prior = {"own_calls": run_for(sparse, 1.5, device)}
-        before = gpu_state(device)
+            prior = {"own_calls": warm_for(sparse, 1500.0, device)}
+        before = gpu_clock_state(device)
         samples, _ = timed_samples(sparse, 3, repeats, device)
-        middle = gpu_state(device)
+        middle = gpu_clock_state(device)
         gpu, _ = host_ahead_samples(sparse, repeats, device)
         measured[state].append(
             {
@@ -87,7 +62,7 @@ def row(batch: int, length: int, repeats: int, alpha: float, device: torch.devic
                 "host_ahead_ms": round(median(gpu), 3) if gpu else None,
                 "gpu_before": before,
                 "gpu_after_eager": middle,
-                "gpu_after": gpu_state(device),
+                "gpu_after": gpu_clock_state(device),
             }
         )
     return {"B": batch, "L": length, "alpha": alpha, "repeats": repeats, "states": measured}
@@ -98,7 +73,7 @@ def summary(r: dict) -> str:
     for state, runs in r["states"].items():
         eager = " / ".join(f"{x['eager_ms']:.2f}" for x in runs)
         ahead = " / ".join(f"{x['host_ahead_ms']:.2f}" if x["host_ahead_ms"] else "-" for x in runs)
-        clocks = " / ".join(f"{x['gpu_before']['sm_mhz']}" for x in runs)
+        clocks = " / ".join(str((x["gpu_before"] or {}).get("sm_mhz")) for x in runs)
         parts.append(f"  {state}: eager {eager}, host-ahead {ahead} ms; SM clock at start {clocks} MHz")
     return f"{r['B']}x{r['L']}:\n" + "\n".join(parts)
 

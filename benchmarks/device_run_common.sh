@@ -3,7 +3,8 @@
 # also when the call's time limit stops the script part-way); with_packages runs a command with the packages'
 # sources and the library in $BIN (nothing of the project is installed on the device); bench_row runs one fpv2 bench
 # row of the planted pipeline into $RESULTS (set by the script); gpu_tests runs pytest into $LOGS; summary reads a
-# native timing log; host_breakdown_128k runs the host breakdown of a 128K call.
+# native timing log; host_breakdown_128k runs the host breakdown of a 128K call; with_clocks samples the GPU's clock
+# while a command runs.
 device_run_start() {
   ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
   cd "$ROOT" || exit 1
@@ -54,4 +55,19 @@ host_breakdown_128k() {
     --host-breakdown --repeats 30 --out "$RESULTS/$1" > "$RESULTS/$1-131072.txt" 2>&1
   echo "host breakdown: rc=$?"
   grep -E "==|whole call|$2" "$RESULTS/$1-131072.txt" | cut -c1-120
+}
+
+# Sample the GPU's SM clock, power and throttle reasons every 100 ms into $RESULTS/clocks-NAME.csv while a command
+# runs, then print the most frequent clocks: with_clocks NAME COMMAND...
+with_clocks() {
+  local name="$1"
+  shift
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 100 > "$RESULTS/clocks-$name.csv" 2>&1 &
+  local sampler=$!
+  "$@"
+  kill "$sampler" 2> /dev/null
+  wait "$sampler" 2> /dev/null
+  echo "clocks ($name): $(tail -n +2 "$RESULTS/clocks-$name.csv" | awk -F', ' '{print $2}' | sort -n | uniq -c |
+    sort -rn | head -4 | tr '\n' ';')"
 }

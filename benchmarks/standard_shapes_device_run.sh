@@ -34,27 +34,17 @@ device_run_start standard-shapes "${1:-soak}" "${SCORE_BIN:-.carry/head}"
 RESULTS="$LOGS/results"
 mkdir -p "$RESULTS"
 
-# Sample the GPU's SM clock, power and throttle reasons into $RESULTS/clocks-NAME.csv while a command runs:
-# with_clocks NAME COMMAND...
-with_clocks() {
-  local name="$1"
-  shift
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-    --format=csv -lms 100 > "$RESULTS/clocks-$name.csv" 2>&1 &
-  local sampler=$!
-  "$@"
-  kill "$sampler" 2> /dev/null
-  wait "$sampler" 2> /dev/null
-  echo "clocks ($name): $(tail -n +2 "$RESULTS/clocks-$name.csv" | awk -F', ' '{print $2}' | sort -n | uniq -c |
-    sort -rn | head -4 | tr '\n' ';')"
+# The 400-call soak on the defaults into $RESULTS/soak-default, its verdict lines printed.
+default_soak() {
+  with_packages timeout 300 python3 benchmarks/soak.py --calls 400 --out "$RESULTS/soak-default" \
+    > "$LOGS/soak-default.log" 2>&1
+  echo "soak (defaults): rc=$?"
+  grep -E "verdict|syncs|workspace" "$LOGS/soak-default.log" | cut -c1-200
 }
 
 if [ "$PART" = soak ]; then
   gpu_tests soak 300 packages/fpv2-serving/tests/test_soak.py -m gpu
-  with_packages timeout 300 python3 benchmarks/soak.py --calls 400 --out "$RESULTS/soak-default" \
-    > "$LOGS/soak-default.log" 2>&1
-  echo "soak (defaults): rc=$?"
-  grep -v Warning "$LOGS/soak-default.log" | tail -12 | cut -c1-200
+  default_soak
 fi
 
 if [ "$PART" = pages ]; then
@@ -69,10 +59,7 @@ if [ "$PART" = short ]; then  # the rows of `pages` whose JSONs did not come bac
   bench_row 1 8192 bench-8k-page1 120 --page-size 1
   bench_row 1 32768 bench-32k-page16 120 --page-size 16
   bench_row 1 32768 bench-32k-page64 120 --page-size 64
-  with_packages timeout 300 python3 benchmarks/soak.py --calls 400 --out "$RESULTS/soak-default" \
-    > "$LOGS/soak-default.log" 2>&1
-  echo "soak (defaults): rc=$?"
-  grep -E "verdict|syncs|workspace" "$LOGS/soak-default.log" | cut -c1-200
+  default_soak
 fi
 
 if [ "$PART" = heads ]; then
