@@ -330,12 +330,23 @@ def test_block_constant_keys_and_values_make_the_correction_exact():
 # ----------------------------------------------------------------------------- planted workloads
 @needs_sparse
 @needs_index
-def test_predicted_error_tracks_actual_error_on_planted_workload():
+@pytest.mark.parametrize("drift_tokens", [None, 256.0], ids=["planted", "drifting"])
+def test_predicted_error_tracks_actual_error_on_planted_workload(drift_tokens):
     from fpv2.index import SelectionConfig, build_block_index
 
     # margin 3: pruned blocks keep a few percent of the mass each; request 0 continues a 1024-token prefix.
+    # The drifting background makes pooled keys differ between blocks (the estimate's harder case).
     w = planted_workload(
-        [1024], [2048], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, margin=3.0, fraction=0.05, seed=3
+        [1024],
+        [2048],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        margin=3.0,
+        fraction=0.05,
+        seed=3,
+        drift_tokens=drift_tokens,
     )
     stats = compute_block_statistics(w.k_cache, w.v_cache, w.batch)
     config = SelectionConfig(alpha=0.1, min_sparse_kv_len=0, sink_tokens=128, window_tokens=128)

@@ -163,6 +163,36 @@ def test_bench_needle_and_ablation(tmp_path, capsys):
     assert sparse[0]["density"] == sparse[1]["density"] and sparse[0]["rel_err"] != sparse[1]["rel_err"]
 
 
+def test_bench_on_the_drifting_background(tmp_path, capsys):
+    # Same shapes and seed, other background: the records name it and the inputs differ from the planted run's.
+    rows = {}
+    for name, extra in (("planted", []), ("drifting", ["--drift-tokens", "64"])):
+        out = tmp_path / name
+        code = main(["bench", *TINY_RUN, *extra, "--out", str(out)])
+        assert code == 0, capsys.readouterr().err
+        results = list(out.glob("bench-*.json"))
+        assert len(results) == 1 and results[0].name.endswith(f"-{name}.json")
+        payload = json.loads(results[0].read_text())
+        assert payload["config"]["drift_tokens"] == (64.0 if extra else None)
+        rows[name] = [r for r in payload["rows"] if r["impl"].startswith("fpv2-sparse")]
+        assert rows[name] and all(r["workload"] == name for r in rows[name])
+    assert rows["drifting"][0]["rel_err"] != rows["planted"][0]["rel_err"]
+
+
+def test_workload_names():
+    parser, _ = cli._build_parser()
+    names = {}
+    for extra in ([], ["--needle"], ["--drift-tokens", "256"], ["--needle", "--drift-tokens", "256"]):
+        config, _ = cli._bench_config(parser.parse_args(["bench", "--device", "cpu", *extra]))
+        names[" ".join(extra)] = (config.workload, config.drift_tokens)
+    assert names == {
+        "": ("planted", None),
+        "--needle": ("needle", None),
+        "--drift-tokens 256": ("drifting", 256.0),
+        "--needle --drift-tokens 256": ("drifting-needle", 256.0),
+    }
+
+
 def test_warmup_ms_reaches_the_config_and_defaults_to_zero():
     parser, _ = cli._build_parser()
     config, _ = cli._bench_config(parser.parse_args(["bench", "--device", "cpu"]))
@@ -200,6 +230,9 @@ def test_cpu_defaults_are_small_and_announced():
         (["bench", "--warmup-ms", "-1"], "--warmup-ms must be a finite number >= 0"),
         (["bench", "--warmup-ms", "nan"], "--warmup-ms must be a finite number >= 0"),
         (["bench", "--warmup-ms", "inf"], "--warmup-ms must be a finite number >= 0"),
+        (["bench", "--drift-tokens", "0"], "--drift-tokens must be a finite number of tokens > 0"),
+        (["bench", "--drift-tokens", "nan"], "--drift-tokens must be a finite number of tokens > 0"),
+        (["bench", "--drift-tokens=-inf"], "--drift-tokens must be a finite number of tokens > 0"),
         (["bench", "--dtype", "int8"], "invalid choice"),
         (["bench", "--cache-layout", "sglang"], "invalid choice"),
         (["bench", "-L", "many"], "invalid int value"),

@@ -80,11 +80,17 @@ class BenchConfig:
     #: ``paged`` (a contiguous paged cache per K and V) or ``vllm`` (vLLM 0.33's strided K/V views of one
     #: layer buffer in its default token-major order, :func:`~fpv2.serving.adapters.vllm_kv_cache.paged_as_kv_cache`).
     cache_layout: str = "paged"
+    #: None for BENCHMARKS.md's N(0, 1) background; a correlation length in tokens for the drifting one
+    #: (:mod:`fpv2.kernel.testing.drifting`).
+    drift_tokens: float | None = None
 
     @property
     def workload(self) -> str:
-        """Workload name of the records: ``planted`` or ``needle``."""
-        return "needle" if self.needle else "planted"
+        """Workload name of the records: ``planted`` or ``needle``, ``drifting`` or ``drifting-needle``."""
+        name = "needle" if self.needle else "planted"
+        if self.drift_tokens is None:
+            return name
+        return "drifting" if name == "planted" else f"drifting-{name}"
 
     @property
     def tag(self) -> str:
@@ -135,6 +141,7 @@ def _prepare_inputs(cfg: BenchConfig, device: torch.device) -> _Inputs:
         fraction=cfg.fraction,
         margin=cfg.margin,
         needle=cfg.needle,
+        drift_tokens=cfg.drift_tokens,
         dtype=source,
         device=device,
         seed=cfg.seed,

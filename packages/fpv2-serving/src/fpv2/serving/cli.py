@@ -80,6 +80,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     wl.add_argument("--fraction", type=float, default=0.02, help="share of planted key blocks per KV head")
     wl.add_argument("--margin", type=float, default=7.0, help="logit margin of the planted blocks")
     wl.add_argument("--needle", action="store_true", help="plant a needle block and report its rows' error")
+    wl.add_argument(
+        "--drift-tokens",
+        type=float,
+        help="plant on the drifting background (AR(1) keys, values and queries with this correlation length in "
+        "tokens, a per-head mean, RoPE) instead of N(0, 1): a harder accuracy test; workload 'drifting'",
+    )
     wl.add_argument("--seed", type=int, default=0, help="workload seed")
     sel = bench.add_argument_group("pipeline")
     sel.add_argument(
@@ -189,6 +195,8 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         raise _ArgumentError(f"--fraction must lie in (0, 1]; got {args.fraction}")
     if args.margin < 0:
         raise _ArgumentError(f"--margin must be >= 0; got {args.margin}")
+    if args.drift_tokens is not None and not (math.isfinite(args.drift_tokens) and args.drift_tokens > 0):
+        raise _ArgumentError(f"--drift-tokens must be a finite number of tokens > 0; got {args.drift_tokens}")
     if not 0 <= args.heatmap_head < value["kv_heads"]:
         raise _ArgumentError(f"--heatmap-head must lie in 0..{value['kv_heads'] - 1}; got {args.heatmap_head}")
     if args.no_correction and args.ablation:
@@ -223,6 +231,7 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         out=args.out,
         heatmap_head=args.heatmap_head,
         needle=args.needle,
+        drift_tokens=args.drift_tokens,
         progress=not args.no_progress,
         cache_layout=args.cache_layout,
     )

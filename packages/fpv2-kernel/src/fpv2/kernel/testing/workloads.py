@@ -6,7 +6,10 @@ fraction of key blocks of each KV head along a head-specific unit direction
 ``u`` and shifts that head group's queries along ``u`` too, so those blocks carry
 a logit margin of about ``margin`` over the rest. The optional *needle* is one
 more planted block per head, far from the diagonal, that only a few queries
-point at.
+point at. With ``drift_tokens`` the N(0, 1) background is replaced by the
+*drifting* one of :mod:`.drifting` (AR(1) along the sequence, a per-head mean,
+RoPE); the planted shifts are added after the rotation, so they stay a content
+match at any distance.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contracts import BLOCK_SIZE, PagedPrefillBatch, num_key_blocks
+from .drifting import ar1_sequence, rotary
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +52,7 @@ def planted_workload(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    drift_tokens: float | None = None,
 ) -> PlantedWorkload:
     """Build a planted workload (see the module docstring).
 
@@ -59,7 +64,17 @@ def planted_workload(
             planted blocks over the rest.
         shuffle_pages: scatter pages randomly in the cache, so the page table matters.
         seed: generator seed; the same arguments give the same tensors.
+        drift_tokens: None for the N(0, 1) background (BENCHMARKS.md's planted workload); a
+            correlation length in tokens for the drifting background (see :mod:`.drifting`).
+            Without it the tensors are exactly those of earlier versions.
+
+    Raises:
+        ValueError: ``drift_tokens`` given but not a positive finite number.
     """
+    if drift_tokens is not None and not (
+        isinstance(drift_tokens, (int, float)) and math.isfinite(drift_tokens) and drift_tokens > 0
+    ):
+        raise ValueError(f"drift_tokens must be None or a positive finite number of tokens, got {drift_tokens!r}")
     if seqlens_k is None:
         seqlens_k = list(seqlens_q)
     gen = torch.Generator().manual_seed(seed)
@@ -87,6 +102,9 @@ def planted_workload(
         keys = k_cache[pages, slots]  # (kv_len, Hkv, d) copy
         chosen = torch.zeros(num_kv_heads, nblocks, dtype=torch.bool)
         q = torch.randn(q_len, num_q_heads, head_dim, generator=gen)
+        if drift_tokens is not None:
+            keys, values, q = _drifting_background(kv_len, q_len, num_kv_heads, group, head_dim, drift_tokens, gen)
+            v_cache[pages, slots] = values
         rows = []
         for h in range(num_kv_heads):
             if nblocks:
@@ -113,6 +131,20 @@ def planted_workload(
         planted_blocks=[c.to(device) for c in planted],
         needle_rows=[n.to(device) for n in needles],
     )
+
+
+def _drifting_background(
+    kv_len: int, q_len: int, num_kv_heads: int, group: int, head_dim: int, drift_tokens: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values and queries of one request on the drifting background (queries are the last ``q_len`` tokens)."""
+    head_mean = torch.randn(num_kv_heads, head_dim, generator=gen)
+    keys = ar1_sequence(kv_len, (num_kv_heads, head_dim), drift_tokens, gen) + head_mean
+    values = ar1_sequence(kv_len, (num_kv_heads, head_dim), drift_tokens, gen)
+    q = ar1_sequence(q_len, (num_kv_heads * group, head_dim), drift_tokens, gen)
+    q += head_mean.repeat_interleave(group, dim=0)
+    keys = rotary(keys, torch.arange(kv_len))
+    q = rotary(q, torch.arange(kv_len - q_len, kv_len))
+    return keys, values, q
 
 
 def _plant_needle(
