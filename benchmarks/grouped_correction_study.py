@@ -21,8 +21,8 @@ merged with low ones). So the question is the error on inputs whose blocks diffe
 
 For each workload, length and alpha it prints and records the relative L2 error against fp32 dense
 attention without correction and with the correction at each ``G``, and the pooled columns as a share
-of the kept keys (the correction's work relative to the sparse attention). CPU-only (the PyTorch
-reference); 8K with 16/4 heads takes about a minute per (workload, alpha).
+of the kept keys (the correction's work relative to the sparse attention); writes the JSON and a plot.
+CPU-only (the PyTorch reference); 16K with 8/2 heads takes a few minutes per (workload, alpha).
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``):
 ``python benchmarks/grouped_correction_study.py --seqlen 8192 16384 --groups 1 2 4 8 --out OUT``
@@ -137,6 +137,32 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
     return record
 
 
+def plot(records: list[dict[str, object]], path: Path) -> None:
+    """Error against the pooled columns' share of the kept keys, one panel per workload, a point per G."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        for r in (r for r in records if r["workload"] == workload):
+            share = [100 * g["pooled_share_of_kept_keys"] for g in r["groups"]]
+            err = [g["rel_err"] for g in r["groups"]]
+            (line,) = ax.plot(share, err, marker="o", label=f"L={r['L']}, alpha={r['alpha']}")
+            ax.axhline(r["rel_err_uncorrected"], color=line.get_color(), linestyle=":", linewidth=1)
+            for g, x, y in zip(r["groups"], share, err):
+                ax.annotate(f"G={g['G']}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        ax.set_title(f"{workload}: error vs dense (dotted: no correction)")
+        ax.set_xlabel("pooled columns, % of the kept keys (the correction's share of the work)")
+        ax.set_ylabel("relative L2 error vs fp32 dense")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     """Run the study for every (workload, length, alpha) and write the JSON under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,6 +190,7 @@ def main() -> None:
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grouped-correction-study.json").write_text(json.dumps(records, indent=2))
+    plot(records, args.out / "grouped-correction-study.png")
 
 
 if __name__ == "__main__":
