@@ -16,6 +16,7 @@ from .diagnostics import (
     covariance_error_estimate,
     pruned_mass_share,
 )
+from .key_spread import KeySpread, compute_key_spread, second_order_shift
 from .plan import build_correction_plan
 from .reference import corrected_attention
 from .statistics import compute_block_statistics
@@ -25,12 +26,15 @@ _check_siblings("fpv2-correction")
 __all__ = [
     "CorrectionErrorReport",
     "CovarianceErrorEstimate",
+    "KeySpread",
     "TileMassShare",
     "__version__",
     "build_correction_plan",
     "compute_block_statistics",
+    "compute_key_spread",
     "corrected_attention",
     "correction_error_report",
     "covariance_error_estimate",
     "pruned_mass_share",
+    "second_order_shift",
 ]
