@@ -13,7 +13,7 @@ fp32 dense attention of: no correction, the mean correction (the landed method),
 (``second_order``), the shift without its cap (``uncapped``), and with per-dimension variances instead of
 their mean (``diagonal``: ``scale^2 sum_c q_c^2 sigma2_Jc / 2``, a product per pooled step; the
 isotropic shift's upper reference). ``--outlier-channels N`` multiplies the keys' first N channels by
-``--outlier-scale`` (anisotropic keys, where the isotropic and diagonal shifts part). Writes the JSON.
+``--outlier-scale`` (anisotropic keys, where the isotropic and diagonal shifts part). Writes the JSON and a plot.
 CPU-only (the PyTorch reference).
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``):
@@ -118,6 +118,31 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
     return record
 
 
+def plot(records: list[dict[str, object]], path: Path) -> None:
+    """Error of each variant per (length, alpha, density), one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = ("none", "mean", "second_order", "diagonal")
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
+    width = 0.8 / len(variants)
+    for ax, workload in zip(axes[0], workloads):
+        rows = [r for r in records if r["workload"] == workload]
+        for i, variant in enumerate(variants):
+            xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(rows))]
+            ax.bar(xs, [r["rel_err"][variant] for r in rows], width, label=variant)
+        labels = [f"{r['L'] // 1024}K a={r['alpha']}\n{100 * r['density']:.1f}% kept" for r in rows]
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(f"{workload}: relative L2 error vs fp32 dense")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     """Run the study for every (workload, length, alpha) and write the JSON under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,6 +166,7 @@ def main() -> None:
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "second-order-correction-study.json").write_text(json.dumps(records, indent=2))
+    plot(records, args.out / "second-order-correction-study.png")
 
 
 if __name__ == "__main__":
