@@ -13,7 +13,8 @@ fp32 dense attention of: no correction, the mean correction (the landed method),
 (``second_order``), the shift without its cap (``uncapped``), and with per-dimension variances instead of
 their mean (``diagonal``: ``scale^2 sum_c q_c^2 sigma2_Jc / 2``, a product per pooled step; the
 isotropic shift's upper reference). ``--outlier-channels N`` multiplies the keys' first N channels by
-``--outlier-scale`` (anisotropic keys, where the isotropic and diagonal shifts part). Writes the JSON and a plot.
+``--outlier-scale`` (anisotropic keys, where the isotropic and diagonal shifts part); ``--shift-cap C``
+adds the isotropic shift clamped at ``C`` nats (``capped_C``). Writes the JSON and a plot.
 CPU-only (the PyTorch reference).
 
 Usage (the four packages' ``src`` on ``PYTHONPATH``):
@@ -52,7 +53,7 @@ def channel_variance(k: torch.Tensor, batch, stats) -> torch.Tensor:
     return sums / torch.bincount(token_block, minlength=nblocks).float()[:, None, None]
 
 
-def shifted(kind: str, spread, channel_var):
+def shifted(kind: str, spread, channel_var, cap: float | None = None):
     """A stand-in for the reference's ``_pseudo_keys`` that adds the ``kind`` shift to the pooled logits."""
 
     def pseudo_keys(rows, stats, stat_rows, kv_head, scale):
@@ -60,6 +61,8 @@ def shifted(kind: str, spread, channel_var):
         idx = torch.tensor(stat_rows, dtype=torch.long)
         if kind == "second_order":
             shift = second_order_shift(rows, spread, idx, kv_head, scale)
+        elif kind == "capped":
+            shift = second_order_shift(rows, spread, idx, kv_head, scale).clamp(max=cap)
         elif kind == "uncapped":
             shift = 0.5 * scale * scale * rows.pow(2).sum(1, keepdim=True) * spread.variance[idx, kv_head][None, :]
         else:  # diagonal
@@ -93,10 +96,11 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
         "none": relative_l2_error(reference_sparse.sparse_attention(q, k, v, batch, index), dense),
         "mean": relative_l2_error(reference_sparse.sparse_attention(q, k, v, batch, index, plan=plan), dense),
     }
-    for kind in ("second_order", "uncapped", "diagonal"):
-        with mock.patch.object(reference_sparse, "_pseudo_keys", shifted(kind, spread, channel_var)):
+    kinds = ("second_order", "uncapped", "diagonal") + (("capped",) if args.shift_cap is not None else ())
+    for kind in kinds:
+        with mock.patch.object(reference_sparse, "_pseudo_keys", shifted(kind, spread, channel_var, args.shift_cap)):
             out = reference_sparse.sparse_attention(q, k, v, batch, index, plan=plan)
-        errors[kind] = relative_l2_error(out, dense)
+        errors[f"capped_{args.shift_cap:g}" if kind == "capped" else kind] = relative_l2_error(out, dense)
     record = {
         "workload": workload,
         "L": seqlen,
@@ -155,6 +159,9 @@ def main() -> None:
     parser.add_argument("--drift-tokens", type=float, default=256.0, help="drifting background's correlation length")
     parser.add_argument("--outlier-channels", type=int, default=0, help="scale the keys' first N channels")
     parser.add_argument("--outlier-scale", type=float, default=4.0, help="the factor of --outlier-channels")
+    parser.add_argument(
+        "--shift-cap", type=float, help="also run the isotropic shift clamped at this many nats (variant capped_N)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("fpv2-results/second-order-correction-study"))
     args = parser.parse_args()

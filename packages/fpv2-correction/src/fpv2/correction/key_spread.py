@@ -17,6 +17,11 @@ from the mean); the cap keeps the estimate at or below the largest mass the
 block can have, ``|B_J| exp(s_bar + scale |q| rho_J)``, so the shifted term
 stays between the two bounds that hold for any keys. It costs the kernels no
 product: one per-row and two per-column scalars.
+
+Measured on the reference (``benchmarks/NOTES.md``, 2026-12-05) it lowers the
+corrected error 2-4x on the planted and drifting test inputs, but gains only 5%
+where a few wide key channels dominate the spread: the pooled value then stands
+for tokens whose values are far from the mean. No kernel applies it yet.
 """
 
 from __future__ import annotations
