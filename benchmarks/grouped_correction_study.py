@@ -32,16 +32,15 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 from pathlib import Path
 from unittest import mock
 
 import torch
+from correction_study_common import run_grid, study_inputs, study_parser
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference import sparse as reference_sparse
 from fpv2.kernel.reference.attention import dense_attention
-from fpv2.kernel.testing import planted_workload
 from fpv2.serving.metrics import relative_l2_error
 from fpv2.serving.pipeline import SparsePrefillPipeline
 
@@ -77,25 +76,9 @@ class GroupedPseudoKeys:
         return (rows @ keys.T) * scale + torch.log(tokens)[None, :], values
 
 
-def inputs(workload: str, seqlen: int, args: argparse.Namespace):
-    """``(q, k_cache, v_cache, batch)`` in fp32 (from bf16, as the benchmark's inputs) for one workload."""
-    wl = planted_workload(
-        [seqlen],
-        num_q_heads=args.q_heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        page_size=128,
-        fraction=args.fraction,
-        margin=args.margin,
-        seed=args.seed,
-        drift_tokens=args.drift_tokens if workload == "drifting" else None,
-    )
-    return wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), wl.batch
-
-
 def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) -> dict[str, object]:
     """Errors of one (workload, length, alpha): no correction and the correction at each group size."""
-    q, k, v, batch = inputs(workload, seqlen, args)
+    q, k, v, batch = study_inputs(workload, seqlen, args)
     dense = dense_attention(q, k, v, batch, compute_dtype=torch.float32)
     result = SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend="reference")(q, k, v, batch)
     index, plan = result.index, result.plan
@@ -164,33 +147,13 @@ def plot(records: list[dict[str, object]], path: Path) -> None:
 
 
 def main() -> None:
-    """Run the study for every (workload, length, alpha) and write the JSON under ``--out``."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("planted", "drifting"), nargs="+", default=["planted", "drifting"])
-    parser.add_argument("--seqlen", type=int, nargs="+", default=[8192])
-    parser.add_argument("--alpha", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    """Run the study for every (workload, length, alpha) and write the JSON and the plot under ``--out``."""
+    parser = study_parser(__doc__, seqlen=8192, q_heads=16, kv_heads=4, out="grouped-correction-study")
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--q-heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--fraction", type=float, default=0.02, help="planted share of key blocks")
-    parser.add_argument("--margin", type=float, default=7.0, help="planted logit margin")
-    parser.add_argument("--drift-tokens", type=float, default=256.0, help="drifting background's correlation length")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("fpv2-results/grouped-correction-study"))
     args = parser.parse_args()
     if any(g < 1 for g in args.groups):
         parser.error("--groups must be positive integers")
-    torch.manual_seed(args.seed)
-    records = [
-        study(workload, seqlen, alpha, args)
-        for workload in args.workload
-        for seqlen in args.seqlen
-        for alpha in args.alpha
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "grouped-correction-study.json").write_text(json.dumps(records, indent=2))
-    plot(records, args.out / "grouped-correction-study.png")
+    run_grid(study, args, "grouped-correction-study", plot)
 
 
 if __name__ == "__main__":

@@ -24,18 +24,17 @@ Usage (the four packages' ``src`` on ``PYTHONPATH``):
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from unittest import mock
 
 import torch
+from correction_study_common import run_grid, study_inputs, study_parser
 
 from fpv2.correction.key_spread import compute_key_spread, second_order_shift
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference import sparse as reference_sparse
 from fpv2.kernel.reference.attention import dense_attention
 from fpv2.kernel.reference.paged import gather_kv
-from fpv2.kernel.testing import planted_workload
 from fpv2.serving.metrics import relative_l2_error
 from fpv2.serving.pipeline import SparsePrefillPipeline
 
@@ -74,16 +73,7 @@ def shifted(kind: str, spread, channel_var, cap: float | None = None):
 
 def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) -> dict[str, object]:
     """Errors of one (workload, length, alpha)."""
-    wl = planted_workload(
-        [seqlen],
-        num_q_heads=args.q_heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        page_size=128,
-        seed=args.seed,
-        drift_tokens=args.drift_tokens if workload == "drifting" else None,
-    )
-    q, k, v, batch = wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), wl.batch
+    q, k, v, batch = study_inputs(workload, seqlen, args)
     if args.outlier_channels:
         # Anisotropic keys (a stress for the isotropic shift): a few channels spread wider than the rest.
         k[..., : args.outlier_channels] *= args.outlier_scale
@@ -148,32 +138,14 @@ def plot(records: list[dict[str, object]], path: Path) -> None:
 
 
 def main() -> None:
-    """Run the study for every (workload, length, alpha) and write the JSON under ``--out``."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("planted", "drifting"), nargs="+", default=["planted", "drifting"])
-    parser.add_argument("--seqlen", type=int, nargs="+", default=[16384])
-    parser.add_argument("--alpha", type=float, nargs="+", default=[0.05, 0.1, 0.2])
-    parser.add_argument("--q-heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--drift-tokens", type=float, default=256.0, help="drifting background's correlation length")
+    """Run the study for every (workload, length, alpha) and write the JSON and the plot under ``--out``."""
+    parser = study_parser(__doc__, seqlen=16384, q_heads=8, kv_heads=2, out="second-order-correction-study")
     parser.add_argument("--outlier-channels", type=int, default=0, help="scale the keys' first N channels")
     parser.add_argument("--outlier-scale", type=float, default=4.0, help="the factor of --outlier-channels")
     parser.add_argument(
         "--shift-cap", type=float, help="also run the isotropic shift clamped at this many nats (variant capped_N)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("fpv2-results/second-order-correction-study"))
-    args = parser.parse_args()
-    records = [
-        study(workload, seqlen, alpha, args)
-        for workload in args.workload
-        for seqlen in args.seqlen
-        for alpha in args.alpha
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "second-order-correction-study.json").write_text(json.dumps(records, indent=2))
-    plot(records, args.out / "second-order-correction-study.png")
+    run_grid(study, parser.parse_args(), "second-order-correction-study", plot)
 
 
 if __name__ == "__main__":
