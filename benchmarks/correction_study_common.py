@@ -54,6 +54,28 @@ def study_inputs(
     return wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), wl.batch
 
 
+def workload_panels(records: list[Record], panel_width: float) -> tuple[object, list[tuple[object, str, list[Record]]]]:
+    """A figure with one panel per workload (in record order): ``(figure, [(axes, workload, its records)])``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(panel_width * len(workloads), 4.5), squeeze=False)
+    panels = [(ax, w, [r for r in records if r["workload"] == w]) for ax, w in zip(axes[0], workloads)]
+    return fig, panels
+
+
+def save_figure(fig: object, path: Path) -> None:
+    """Write ``fig`` as a PNG and release it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_grid(
     study: Callable[[str, int, float, argparse.Namespace], Record],
     args: argparse.Namespace,

@@ -36,7 +36,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from correction_study_common import run_grid, study_inputs, study_parser
+from correction_study_common import run_grid, save_figure, study_inputs, study_parser, workload_panels
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference import sparse as reference_sparse
@@ -122,15 +122,9 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
 
 def plot(records: list[dict[str, object]], path: Path) -> None:
     """Error against the pooled columns' share of the kept keys, one panel per workload, a point per G."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(dict.fromkeys(r["workload"] for r in records))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
-    for ax, workload in zip(axes[0], workloads):
-        for r in (r for r in records if r["workload"] == workload):
+    fig, panels = workload_panels(records, 6)
+    for ax, workload, rows in panels:
+        for r in rows:
             share = [100 * g["pooled_share_of_kept_keys"] for g in r["groups"]]
             err = [g["rel_err"] for g in r["groups"]]
             (line,) = ax.plot(share, err, marker="o", label=f"L={r['L']}, alpha={r['alpha']}")
@@ -141,9 +135,7 @@ def plot(records: list[dict[str, object]], path: Path) -> None:
         ax.set_xlabel("pooled columns, % of the kept keys (the correction's share of the work)")
         ax.set_ylabel("relative L2 error vs fp32 dense")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from correction_study_common import run_grid, study_inputs, study_parser
+from correction_study_common import run_grid, save_figure, study_inputs, study_parser, workload_panels
 
 from fpv2.correction.key_spread import compute_key_spread, second_order_shift
 from fpv2.index import SelectionConfig
@@ -114,17 +114,10 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
 
 def plot(records: list[dict[str, object]], path: Path) -> None:
     """Error of each variant per (length, alpha, density), one panel per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     variants = ("none", "mean", "second_order", "diagonal")
-    workloads = list(dict.fromkeys(r["workload"] for r in records))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
     width = 0.8 / len(variants)
-    for ax, workload in zip(axes[0], workloads):
-        rows = [r for r in records if r["workload"] == workload]
+    fig, panels = workload_panels(records, 6.5)
+    for ax, workload, rows in panels:
         for i, variant in enumerate(variants):
             xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(rows))]
             ax.bar(xs, [r["rel_err"][variant] for r in rows], width, label=variant)
@@ -132,9 +125,7 @@ def plot(records: list[dict[str, object]], path: Path) -> None:
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_title(f"{workload}: relative L2 error vs fp32 dense")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
