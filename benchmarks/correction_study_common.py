@@ -54,6 +54,19 @@ def study_inputs(
     return wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), wl.batch
 
 
+def record_header(workload: str, seqlen: int, alpha: float, args: argparse.Namespace, density: float) -> Record:
+    """The fields every study record starts with."""
+    return {
+        "workload": workload,
+        "L": seqlen,
+        "alpha": alpha,
+        "Hq": args.q_heads,
+        "Hkv": args.kv_heads,
+        "d": args.head_dim,
+        "density": density,
+    }
+
+
 def workload_panels(records: list[Record], panel_width: float) -> tuple[object, list[tuple[object, str, list[Record]]]]:
     """A figure with one panel per workload (in record order): ``(figure, [(axes, workload, its records)])``."""
     import matplotlib

@@ -36,7 +36,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from correction_study_common import run_grid, save_figure, study_inputs, study_parser, workload_panels
+from correction_study_common import record_header, run_grid, save_figure, study_inputs, study_parser, workload_panels
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference import sparse as reference_sparse
@@ -87,17 +87,9 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
         * index.block_size
     )
     uncorrected = reference_sparse.sparse_attention(q, k, v, batch, index)
-    record: dict[str, object] = {
-        "workload": workload,
-        "L": seqlen,
-        "alpha": alpha,
-        "Hq": args.q_heads,
-        "Hkv": args.kv_heads,
-        "d": args.head_dim,
-        "density": index.density(batch),
-        "rel_err_uncorrected": relative_l2_error(uncorrected, dense),
-        "groups": [],
-    }
+    record = record_header(workload, seqlen, alpha, args, index.density(batch))
+    record["rel_err_uncorrected"] = relative_l2_error(uncorrected, dense)
+    record["groups"] = []
     line = f"{workload} L={seqlen} alpha={alpha} density {record['density']:.3f}"
     line += f": no corr {record['rel_err_uncorrected']:.4f}"
     for group in args.groups:

@@ -28,7 +28,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from correction_study_common import run_grid, save_figure, study_inputs, study_parser, workload_panels
+from correction_study_common import record_header, run_grid, save_figure, study_inputs, study_parser, workload_panels
 
 from fpv2.correction.key_spread import compute_key_spread, second_order_shift
 from fpv2.index import SelectionConfig
@@ -91,19 +91,11 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
         with mock.patch.object(reference_sparse, "_pseudo_keys", shifted(kind, spread, channel_var, args.shift_cap)):
             out = reference_sparse.sparse_attention(q, k, v, batch, index, plan=plan)
         errors[f"capped_{args.shift_cap:g}" if kind == "capped" else kind] = relative_l2_error(out, dense)
-    record = {
-        "workload": workload,
-        "L": seqlen,
-        "alpha": alpha,
-        "Hq": args.q_heads,
-        "Hkv": args.kv_heads,
-        "d": args.head_dim,
-        "density": index.density(batch),
-        "rel_err": errors,
-        "mean_key_variance": float(spread.variance.mean()),
-        "outlier_channels": args.outlier_channels,
-        "outlier_scale": args.outlier_scale,
-    }
+    record = record_header(workload, seqlen, alpha, args, index.density(batch))
+    record["rel_err"] = errors
+    record["mean_key_variance"] = float(spread.variance.mean())
+    record["outlier_channels"] = args.outlier_channels
+    record["outlier_scale"] = args.outlier_scale
     print(
         f"{workload} L={seqlen} alpha={alpha} density {record['density']:.3f}: "
         + ", ".join(f"{name} {err:.4f}" for name, err in errors.items()),
