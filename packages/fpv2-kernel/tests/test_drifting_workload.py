@@ -122,6 +122,6 @@ def test_drifting_workload_keeps_the_planted_margin_at_any_distance():
 
 
 def test_drifting_workload_refuses_a_bad_correlation_length():
-    for bad in (0, -3.0, math.nan, math.inf, "256"):
+    for bad in (0, -3.0, math.nan, math.inf, "256", True):
         with pytest.raises(ValueError, match="drift_tokens"):
             planted_workload([128], num_q_heads=2, num_kv_heads=1, head_dim=16, drift_tokens=bad)

@@ -103,7 +103,7 @@ def compute_key_spread(
         token_block = torch.arange(kv_len, device=keys.device) // block
         dist2 = (keys - means[token_block]).pow(2).sum(dim=-1)  # (kv_len, Hkv)
         sums = torch.zeros(nblocks, num_kv_heads, device=keys.device).index_add_(0, token_block, dist2)
-        counts = torch.bincount(token_block, minlength=nblocks).clamp(min=1).float()[:, None]
+        counts = statistics.block_lengths[offsets[b] : offsets[b + 1]].to(keys.device).float()[:, None]
         peak = torch.zeros(nblocks, num_kv_heads, device=keys.device)
         peak = peak.scatter_reduce(0, token_block[:, None].expand_as(dist2), dist2, reduce="amax")
         variance[offsets[b] : offsets[b + 1]] = (sums / counts / head_dim).to(variance.device)

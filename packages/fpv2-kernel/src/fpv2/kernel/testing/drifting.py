@@ -21,6 +21,15 @@ import torch
 _CHUNK = 32
 
 
+def check_drift_tokens(drift_tokens: object) -> float:
+    """The correlation length as a float, or ValueError unless it is a positive finite number of tokens."""
+    if isinstance(drift_tokens, bool) or not isinstance(drift_tokens, (int, float)):
+        raise ValueError(f"drift_tokens must be a positive finite number of tokens, got {drift_tokens!r}")
+    if not (math.isfinite(drift_tokens) and drift_tokens > 0):
+        raise ValueError(f"drift_tokens must be a positive finite number of tokens, got {drift_tokens!r}")
+    return float(drift_tokens)
+
+
 def ar1_sequence(length: int, shape: tuple[int, ...], drift_tokens: float, gen: torch.Generator) -> torch.Tensor:
     """A stationary AR(1) sequence ``(length, *shape)``: unit variance, correlation ``exp(-1 / drift_tokens)`` per step.
 
@@ -38,8 +47,7 @@ def ar1_sequence(length: int, shape: tuple[int, ...], drift_tokens: float, gen: 
     """
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
-    if not (isinstance(drift_tokens, (int, float)) and math.isfinite(drift_tokens) and drift_tokens > 0):
-        raise ValueError(f"drift_tokens must be a positive finite number, got {drift_tokens!r}")
+    drift_tokens = check_drift_tokens(drift_tokens)
     width = math.prod(shape)
     if length == 0:
         return torch.empty(0, *shape)
