@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run (not yet run: the device was withdrawn on 2026-12-04 before it): how much a sparse pipeline timing
+# Device run (probe run 2026-12-05: results/2026-12-05-h200-clock-state/, no measurable effect): how much a sparse pipeline timing
 # depends on the GPU's power state left by the row before it; from the repository root, with the library built on
 # the development machine.
 #

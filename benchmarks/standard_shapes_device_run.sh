@@ -12,13 +12,16 @@
 #                                                     throttle reasons sampled every 100 ms
 #   benchmarks/standard_shapes_device_run.sh short    the 8K and 32K rows of `pages` and the default soak again (their
 #                                                     files did not come back from the first call)
-#   benchmarks/standard_shapes_device_run.sh triton | triton-fp8 | ablation   (not yet run) the Triton backend's rows
+#   benchmarks/standard_shapes_device_run.sh triton | triton-fp8 | ablation   the Triton backend's rows
 #                                                     at 8K and 4 x 128K, bf16 and fp8, with and without the
-#                                                     correction; the Hopper pipeline's ablation at 32K and 128K
-#   benchmarks/standard_shapes_device_run.sh drifting (not yet run) 1 x 32K / 1 x 128K at page 1 on the drifting
+#                                                     correction (run 2026-12-05); the Hopper pipeline's ablation at
+#                                                     32K and 128K (not yet run)
+#   benchmarks/standard_shapes_device_run.sh drifting (run 2026-12-05) 1 x 32K / 1 x 128K at page 1 on the drifting
 #                                                     background (--drift-tokens 256), with and without the correction
 # Each part's results go into its archive, $OUT/standard-shapes-PART.tgz (results/ beside the logs).
 #
+# Results: benchmarks/results/2026-12-04-h200-standard-shapes/ and 2026-12-05-h200-standard-shapes/ (the drifting
+# density prediction below was wrong: 2.3% at 128K).
 # Predictions (written before the runs): the soak passes with 0 host syncs a call and its workspace on the formula
 # (P = 1 on Hopper-scored calls). Pages 16 and 64 go through the tile repack like page 1 (pages that are not a
 # multiple of 128), so 128K lands within 0.3 ms of page 1's 14.1 ms; 8K is dense-fallback heavy (its last tiles and
@@ -74,13 +77,13 @@ if [ "$PART" = heads ]; then
   bench_row 1 131072 bench-128k-d64 150 --page-size 1 --head-dim 64
 fi
 
-if [ "$PART" = triton ]; then  # not yet run: issue 4's rows of the portable kernel at 8K and 4 x 128K (page 1)
+if [ "$PART" = triton ]; then  # issue 4's rows of the portable kernel at 8K and 4 x 128K (page 1)
   bench_row 1 8192 bench-8k-triton 150 --page-size 1 --backend triton --ablation
   bench_row 1 8192 bench-8k-triton-fp8 150 --page-size 1 --backend triton --ablation --dtype fp8
   bench_row 4 131072 bench-4x128k-triton 400 --page-size 1 --backend triton --ablation
 fi
 
-if [ "$PART" = triton-fp8 ]; then  # not yet run
+if [ "$PART" = triton-fp8 ]; then
   bench_row 4 131072 bench-4x128k-triton-fp8 400 --page-size 1 --backend triton --ablation --dtype fp8
 fi
 
@@ -89,7 +92,7 @@ if [ "$PART" = ablation ]; then  # not yet run: the Hopper pipeline with and wit
   bench_row 1 131072 bench-128k-ablation 200 --page-size 1 --ablation
 fi
 
-if [ "$PART" = drifting ]; then  # not yet run: the harder accuracy background (fpv2.kernel.testing.drifting)
+if [ "$PART" = drifting ]; then  # the harder accuracy background (fpv2.kernel.testing.drifting)
   bench_row 1 32768 bench-32k-drifting 150 --page-size 1 --ablation --drift-tokens 256
   bench_row 1 131072 bench-128k-drifting 200 --page-size 1 --ablation --drift-tokens 256
 fi
