@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
-from unittest import mock
 
 import pytest
 import torch
 
 from fpv2.correction import build_correction_plan, compute_block_statistics, corrected_attention
 from fpv2.correction.key_spread import KeySpread, compute_key_spread, second_order_shift
-from fpv2.kernel import PagedPrefillBatch
-from fpv2.kernel.reference import sparse as reference_sparse
+from fpv2.kernel import CorrectionPlan, PagedPrefillBatch
 from fpv2.kernel.reference.attention import dense_attention
 from fpv2.kernel.reference.fp8 import dequantize_cache, quantize_cache
 from fpv2.kernel.reference.paged import gather_kv
@@ -131,14 +129,9 @@ def test_the_shift_lowers_the_corrected_error_against_dense(drift_tokens):
     spread = compute_key_spread(w.k_cache, w.batch, stats)
     dense = dense_attention(w.q, w.k_cache, w.v_cache, w.batch, compute_dtype=F64)
     mean_only = corrected_attention(w.q, w.k_cache, w.v_cache, w.batch, index, plan, compute_dtype=F64)
-    unshifted = reference_sparse._pseudo_keys
-
-    def with_shift(rows, stats_, stat_rows, kv_head, scale):
-        logits, values = unshifted(rows, stats_, stat_rows, kv_head, scale)
-        return logits + second_order_shift(rows, spread, torch.tensor(stat_rows), kv_head, scale), values
-
-    with mock.patch.object(reference_sparse, "_pseudo_keys", with_shift):
-        shifted = corrected_attention(w.q, w.k_cache, w.v_cache, w.batch, index, plan, compute_dtype=F64)
+    shifted_plan = CorrectionPlan(stats, plan.todo_offsets, plan.todo_masks, key_spread=spread)
+    assert shifted_plan.mass_shift == "second_order"
+    shifted = corrected_attention(w.q, w.k_cache, w.v_cache, w.batch, index, shifted_plan, compute_dtype=F64)
 
     def err(x):
         return float((x - dense).norm() / dense.norm())

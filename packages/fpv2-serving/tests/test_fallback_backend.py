@@ -56,6 +56,28 @@ def test_each_call_goes_to_the_backend_that_serves_it():
     assert "triton" in backend.available()[1]
 
 
+class _Plan:
+    """What the fallback reads of a correction plan: its mass shift."""
+
+    def __init__(self, mass_shift: str) -> None:
+        self.mass_shift = mass_shift
+
+
+def test_a_plan_whose_shift_the_primary_does_not_apply_runs_on_the_fallback():
+    primary, fallback = Recording("hopper", page=128), Recording("triton")
+    primary.mass_shifts, fallback.mass_shifts = ("mean",), ("mean", "second_order")
+    backend = FallbackBackend(primary, fallback)
+    assert backend.mass_shifts == ("mean", "second_order")
+    q = torch.zeros(4, 2, 8)
+    backend.run(q, None, None, _batch(128), "index", _Plan("mean"), softmax_scale=None)
+    assert backend.last_choice == ("hopper", None)
+    backend.run(q, None, None, _batch(128), "index", _Plan("second_order"), softmax_scale=None, tile_copies="x")
+    assert backend.last_choice == ("triton", "the hopper kernel does not apply the plan's mass_shift 'second_order'")
+    assert primary.calls == [("run", 128, "index")] and fallback.calls == [("run", 128, "index")]
+    # Backends that declare nothing apply the mean shift only.
+    assert FallbackBackend(Recording("a", page=1), Recording("b")).mass_shifts == ("mean",)
+
+
 def test_the_kv_layout_of_the_backend_that_ran_is_reported():
     primary, fallback = Recording("hopper", page=128), Recording("triton")
     backend = FallbackBackend(primary, fallback)

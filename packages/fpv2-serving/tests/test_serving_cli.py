@@ -179,6 +179,34 @@ def test_bench_on_the_drifting_background(tmp_path, capsys):
     assert rows["drifting"][0]["rel_err"] != rows["planted"][0]["rel_err"]
 
 
+def test_bench_runs_each_corrected_run_per_mass_shift(tmp_path, capsys):
+    code = main(["bench", *TINY_RUN, "--drift-tokens", "64", "--ablation", "--mass-shift", "mean",
+                 "--mass-shift", "second_order", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    payload = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
+    sparse = [r for r in payload["rows"] if r["impl"] == "fpv2-sparse/reference"]
+    assert [(r["correction"], r["mass_shift"]) for r in sparse] == [(True, "mean"), (True, "second_order"),
+                                                                     (False, None)]  # fmt: skip
+    assert len({r["density"] for r in sparse}) == 1  # one selection: the shift changes the correction only
+    mean, second, off = (r["rel_err"] for r in sparse)
+    assert second < mean < off  # the drifting background: the shift states the pruned mass better
+    assert payload["config"]["mass_shifts"] == ["mean", "second_order"]
+    summary = json.loads(next(tmp_path.glob("summary*.json")).read_text())
+    assert {r.get("mass_shift") for r in summary if r["impl"] == "fpv2-sparse/reference"} == {"mean", "second_order",
+                                                                                                None}  # fmt: skip
+    assert " 2nd " in captured.out  # the table's correction column
+
+
+def test_mass_shift_reaches_the_config():
+    parser, _ = cli._build_parser()
+    config, _ = cli._bench_config(parser.parse_args(["bench", "--device", "cpu"]))
+    assert config.mass_shifts == ("mean",)
+    args = ["bench", "--device", "cpu", "--mass-shift", "second_order", "--mass-shift", "second_order"]
+    config, _ = cli._bench_config(parser.parse_args(args))
+    assert config.mass_shifts == ("second_order",)
+
+
 def test_workload_names():
     parser, _ = cli._build_parser()
     names = {}
@@ -227,6 +255,8 @@ def test_cpu_defaults_are_small_and_announced():
         (["bench", "--backend", "nope"], "choose one of: auto, hopper, triton, reference"),
         (["bench", "--strategy", "nope"], "--strategy 'nope' is unknown"),
         (["bench", "--no-correction", "--ablation"], "exclude each other"),
+        (["bench", "--mass-shift", "third"], "--mass-shift 'third' is unknown"),
+        (["bench", "--no-correction", "--mass-shift", "second_order"], "drop --no-correction"),
         (["bench", "--warmup-ms", "-1"], "--warmup-ms must be a finite number >= 0"),
         (["bench", "--warmup-ms", "nan"], "--warmup-ms must be a finite number >= 0"),
         (["bench", "--warmup-ms", "inf"], "--warmup-ms must be a finite number >= 0"),

@@ -77,6 +77,41 @@ def test_correction_changes_output_and_reduces_error(planted):
     assert on.statistics.pooled_v is not None
 
 
+def test_second_order_shift_adds_the_key_spread_and_lowers_the_error():
+    """The drifting background (correlated keys): the shift states the pruned blocks' mass better."""
+    wl = planted_workload([1024], [2048], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          dtype=torch.float32, seed=3, drift_tokens=256.0)  # fmt: skip
+    ref = dense_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+    results = {}
+    for shift in ("mean", "second_order"):
+        pipe = SparsePrefillPipeline(SPARSE, backend="reference", mass_shift=shift)
+        results[shift] = pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
+        assert results[shift].plan.mass_shift == shift and shift in repr(pipe)
+    spread = results["second_order"].plan.key_spread
+    assert spread is not None and spread.variance.shape == results["second_order"].statistics.pooled_k.shape[:2]
+    assert torch.equal(results["mean"].index.blocks, results["second_order"].index.blocks)
+    assert rel_err(results["second_order"].out, ref) < 0.85 * rel_err(results["mean"].out, ref)
+
+
+def test_second_order_shift_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="needs correction=True"):
+        SparsePrefillPipeline(SPARSE, correction=False, mass_shift="second_order")
+    with pytest.raises(ValueError, match="mass_shift must be one of mean, second_order"):
+        SparsePrefillPipeline(SPARSE, mass_shift="third_order")
+
+    class MeanOnly:
+        name = "mean-only"
+
+        def available(self):
+            return True, "here"
+
+        def run(self, *args, **kwargs):
+            raise AssertionError("not called")
+
+    with pytest.raises(ValueError, match="backend 'mean-only' applies mass_shift 'mean' only"):
+        SparsePrefillPipeline(SPARSE, backend=MeanOnly(), mass_shift="second_order")
+
+
 def test_timings_are_per_stage_and_nonnegative(planted):
     wl, _ = planted
     result = SparsePrefillPipeline(SPARSE, backend="reference")(wl.q, wl.k_cache, wl.v_cache, wl.batch)

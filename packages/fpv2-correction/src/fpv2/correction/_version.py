@@ -1,3 +1,3 @@
 """Version of the fpv2-correction wheel (moves independently of the sibling wheels)."""
 
-__version__ = "0.1.1"
+__version__ = "0.1.2"

@@ -21,33 +21,21 @@ product: one per-row and two per-column scalars.
 Measured on the reference (``benchmarks/NOTES.md``, 2026-12-05) it lowers the
 corrected error 2-4x on the planted and drifting test inputs, but gains only 5%
 where a few wide key channels dominate the spread: the pooled value then stands
-for tokens whose values are far from the mean. No kernel applies it yet.
+for tokens whose values are far from the mean. A :class:`~fpv2.kernel.CorrectionPlan`
+built with ``key_spread=`` asks a kernel for it (the reference and the Triton
+kernel apply it; the Hopper kernel refuses such a plan). :class:`KeySpread` is the
+kernel wheel's contract, re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fpv2.kernel.contracts import BlockStatistics, PagedPrefillBatch
+from fpv2.kernel.contracts import BlockStatistics, KeySpread, PagedPrefillBatch
+from fpv2.kernel.reference.mass_shift import second_order_shift as _shift
 from fpv2.kernel.reference.paged import gather_kv
 
 from .statistics import _check_cache, _check_descale
-
-
-@dataclass(frozen=True, eq=False)
-class KeySpread:
-    """Per (block, KV head) spread of the keys around their block mean (rows as in :class:`BlockStatistics`).
-
-    Attributes:
-        variance: ``(total_blocks, Hkv) float32``: mean over the ``d`` dimensions of the keys'
-            variance within the block (``mean_i |k_i - kbar|^2 / d``, over the valid tokens).
-        radius: ``(total_blocks, Hkv) float32``: ``max_i |k_i - kbar|`` over the valid tokens.
-    """
-
-    variance: torch.Tensor
-    radius: torch.Tensor
 
 
 def compute_key_spread(
@@ -125,11 +113,6 @@ def second_order_shift(
 
     Returns:
         ``(R, n)`` shifts in natural-log units, in the dtype of ``rows``; add them to the pooled logits
-        next to ``log |B_J|``.
+        next to ``log |B_J|`` (:func:`fpv2.kernel.reference.second_order_shift` on the spread's rows).
     """
-    norm2 = rows.pow(2).sum(dim=1, keepdim=True)  # (R, 1)
-    variance = spread.variance[stat_rows, kv_head].to(device=rows.device, dtype=rows.dtype)[None, :]
-    radius = spread.radius[stat_rows, kv_head].to(device=rows.device, dtype=rows.dtype)[None, :]
-    second_order = 0.5 * scale * scale * norm2 * variance
-    largest = scale * norm2.sqrt() * radius
-    return torch.minimum(second_order, largest)
+    return _shift(rows, spread.variance[stat_rows, kv_head], spread.radius[stat_rows, kv_head], scale)

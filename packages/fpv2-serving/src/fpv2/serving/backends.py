@@ -12,7 +12,9 @@ and ``reference`` (the PyTorch reference of ``fpv2.kernel``; always available).
 
 A backend may declare ``derives_todo = True``: it computes the correction's
 todo bitmasks from the block index itself, so the pipeline hands it a plan
-without materialised masks (no per-segment host work).
+without materialised masks (no per-segment host work). ``mass_shifts`` lists the
+correction plans' mass shifts it applies (``("mean",)`` when absent; see
+:attr:`fpv2.kernel.CorrectionPlan.mass_shift`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class ReferenceBackend:
     """The PyTorch reference of ``fpv2.kernel`` (fp32 math), on whatever device the inputs are."""
 
     name = "reference"
+    #: The reference applies every plan's mass shift.
+    mass_shifts = ("mean", "second_order")
 
     def available(self) -> tuple[bool, str]:
         """Always available.
@@ -148,6 +152,8 @@ class TritonBackend:
     name = "triton"
     #: The kernel derives the todo bitmasks from the CSR in the kernel.
     derives_todo = True
+    #: The kernel applies the second-order mass shift of plans with a key spread.
+    mass_shifts = ("mean", "second_order")
 
     def available(self) -> tuple[bool, str]:
         """Available with Triton and either a CUDA GPU or ``TRITON_INTERPRET=1``.
@@ -249,6 +255,8 @@ class HopperBackend:
     name = "hopper"
     #: The kernel marks the kept blocks of each tile itself; it needs no todo bitmasks.
     derives_todo = True
+    #: The C ABI's plan carries no key spread: the mean shift only (others are refused by name).
+    mass_shifts = ("mean",)
     #: Page-size multiple and block size of the kernel's TMA path (its KV tile is the contracts' key block).
     kv_tile = BLOCK_SIZE
     #: The loaded library's built head dims, read on the first ``serves`` (None until then).

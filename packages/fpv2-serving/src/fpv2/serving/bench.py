@@ -83,6 +83,8 @@ class BenchConfig:
     #: None for BENCHMARKS.md's N(0, 1) background; a correlation length in tokens for the drifting one
     #: (:mod:`fpv2.kernel.testing.drifting`).
     drift_tokens: float | None = None
+    #: Mass shifts of the corrected runs (:data:`fpv2.serving.pipeline.MASS_SHIFTS`): one corrected run per shift.
+    mass_shifts: tuple[str, ...] = ("mean",)
 
     @property
     def workload(self) -> str:
@@ -104,6 +106,15 @@ class BenchConfig:
     def corrections(self) -> tuple[bool, ...]:
         """Correction settings to run for each alpha."""
         return (True, False) if self.ablation else (self.correction,)
+
+    def sparse_runs(self) -> list[tuple[float, bool, str | None]]:
+        """``(alpha, correction, mass shift or None)`` of every sparse run: each corrected run once per shift."""
+        return [
+            (alpha, correction, shift)
+            for alpha in self.alphas
+            for correction in self.corrections()
+            for shift in (self.mass_shifts if correction else (None,))
+        ]
 
 
 @dataclass
@@ -301,7 +312,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             kwargs["min_sparse_kv_len"] = cfg.min_sparse_kv_len
         return SelectionConfig(**kwargs)
 
-    sparse_runs = [(a, c) for a in cfg.alphas for c in cfg.corrections()]
+    sparse_runs = cfg.sparse_runs()
     host_ahead_runs = cfg.repeats if device.type == "cuda" else 0
     total_runs = (cfg.warmup + cfg.repeats + host_ahead_runs) * (1 + len(baselines) + len(sparse_runs))
     bar = tqdm(total=total_runs, desc="fpv2 bench", unit="run", disable=not cfg.progress, mininterval=1.0)
@@ -402,11 +413,16 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             )
             del out, packed, measured
 
-        for alpha, correction in sparse_runs:
+        for alpha, correction, shift in sparse_runs:
             pipe = SparsePrefillPipeline(
-                config_for(alpha), strategy=cfg.strategy, correction=correction, backend=backend
+                config_for(alpha),
+                strategy=cfg.strategy,
+                correction=correction,
+                backend=backend,
+                mass_shift=shift or "mean",
             )
-            bar.set_postfix_str(f"alpha={alpha:g} correction={'on' if correction else 'off'}")
+            label = f"on ({shift})" if correction and shift != "mean" else "on" if correction else "off"
+            bar.set_postfix_str(f"alpha={alpha:g} correction={label}")
             measured = _measure(
                 lambda pipe=pipe: pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
                 cfg,
@@ -426,6 +442,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                 "strategy": cfg.strategy,
                 "alpha": alpha,
                 "correction": correction,
+                "mass_shift": shift,
                 "ms": ms,
                 "samples_ms": samples,
                 **split,
@@ -446,6 +463,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                     "strategy": cfg.strategy,
                     "alpha": alpha,
                     "correction": correction,
+                    "mass_shift": shift,
                     "ms": split["index_ms"],
                     "index_ms": split["index_ms"],
                     "density": density,
@@ -461,11 +479,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                     ),
                 }
             )
-            panels.append(
-                SelectionPanel(
-                    f"alpha={alpha:g}, correction {'on' if correction else 'off'}, density {density:.3f}", result.index
-                )
-            )
+            panels.append(SelectionPanel(f"alpha={alpha:g}, correction {label}, density {density:.3f}", result.index))
             del result, measured
     finally:
         bar.close()

@@ -93,6 +93,13 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     sel.add_argument("--no-correction", action="store_true", help="turn the mean correction off")
     sel.add_argument("--ablation", action="store_true", help="run each alpha with and without the correction")
+    sel.add_argument(
+        "--mass-shift",
+        action="append",
+        metavar="{mean,second_order}",
+        help="logit shift of the correction's pooled terms: mean (log |B_J|, the default) or second_order (also "
+        "the blocks' key spread; runs on the Triton kernel under auto); repeatable: each corrected run per shift",
+    )
     sel.add_argument("--strategy", default="max_threshold", help="selection strategy (see fpv2 info)")
     sel.add_argument("--backend", default="auto", help="attention backend: auto or a name (see fpv2 info)")
     sel.add_argument("--min-sparse-kv-len", type=int, help="requests shorter than this stay dense")
@@ -137,6 +144,7 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
 
     from .backends import AUTO, registered_backends
     from .bench import BenchConfig
+    from .pipeline import MASS_SHIFTS
 
     if args.device is None:
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -201,6 +209,12 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         raise _ArgumentError(f"--heatmap-head must lie in 0..{value['kv_heads'] - 1}; got {args.heatmap_head}")
     if args.no_correction and args.ablation:
         raise _ArgumentError("--no-correction and --ablation exclude each other (--ablation runs both)")
+    mass_shifts = tuple(dict.fromkeys(args.mass_shift)) if args.mass_shift else ("mean",)
+    for shift in mass_shifts:
+        if shift not in MASS_SHIFTS:
+            raise _ArgumentError(f"--mass-shift {shift!r} is unknown; choose one of: {', '.join(MASS_SHIFTS)}")
+    if args.no_correction and args.mass_shift:
+        raise _ArgumentError("--mass-shift shifts the correction's terms: drop --no-correction")
     strategies = list(available_strategies())
     if args.strategy not in strategies:
         raise _ArgumentError(f"--strategy {args.strategy!r} is unknown; choose one of: {', '.join(strategies)}")
@@ -232,6 +246,7 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         heatmap_head=args.heatmap_head,
         needle=args.needle,
         drift_tokens=args.drift_tokens,
+        mass_shifts=mass_shifts,
         progress=not args.no_progress,
         cache_layout=args.cache_layout,
     )

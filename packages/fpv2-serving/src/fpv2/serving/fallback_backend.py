@@ -6,7 +6,8 @@ for (64, 128 and 256), every page size (TMA or its cp.async gather), caches it
 can read as rows, and 128-token blocks; every other call (FP8, other head dims,
 head-major caches) runs on the Triton kernel. The choice is a host-side
 check of shapes and dtypes, made per call, and recorded in ``last_choice`` so
-that benchmarks report which kernel ran. A backend named explicitly is never
+that benchmarks report which kernel ran. A plan whose mass shift the primary does
+not apply (its ``mass_shifts``) runs on the fallback too. A backend named explicitly is never
 wrapped: ``backend="hopper"`` refuses what it cannot serve.
 """
 
@@ -50,6 +51,10 @@ class FallbackBackend:
         self.derives_todo = bool(getattr(primary, "derives_todo", False) and getattr(fallback, "derives_todo", False))
         #: ``(backend name, reason or None)`` of the most recent call.
         self.last_choice: tuple[str, str | None] | None = None
+        #: Mass shifts either side applies (each plan goes where its shift is applied).
+        self.mass_shifts = tuple(
+            dict.fromkeys((*getattr(primary, "mass_shifts", ("mean",)), *getattr(fallback, "mass_shifts", ("mean",))))
+        )
 
     def __repr__(self) -> str:
         return f"FallbackBackend(primary={self.primary.name!r}, fallback={self.fallback.name!r})"
@@ -71,8 +76,19 @@ class FallbackBackend:
         ok, why = self.primary.available()
         return ok, f"{why}; calls it does not serve run on {self.fallback.name}"
 
-    def _choose(self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, index: BlockIndex | None):
-        reason = self.primary.serves(q, k_cache, batch, index)
+    def _choose(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        batch: PagedPrefillBatch,
+        index: BlockIndex | None,
+        plan: CorrectionPlan | None = None,
+    ):
+        shift = plan.mass_shift if plan is not None else "mean"
+        if shift not in getattr(self.primary, "mass_shifts", ("mean",)):
+            reason = f"the {self.primary.name} kernel does not apply the plan's mass_shift {shift!r}"
+        else:
+            reason = self.primary.serves(q, k_cache, batch, index)
         chosen = self.primary if reason is None else self.fallback
         self.last_choice = (chosen.name, reason)
         return chosen
@@ -106,7 +122,7 @@ class FallbackBackend:
         Returns:
             ``(total_q, Hq, d)`` output.
         """
-        backend = self._choose(q, k_cache, batch, index)
+        backend = self._choose(q, k_cache, batch, index, plan)
         if backend is not self.primary:
             kwargs.pop("tile_copies", None)  # made for the primary: the fallback reads the caches
         return backend.run(q, k_cache, v_cache, batch, index, plan, **kwargs)

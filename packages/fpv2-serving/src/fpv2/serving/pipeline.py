@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fpv2.correction import build_correction_plan, compute_block_statistics
+from fpv2.correction import build_correction_plan, compute_block_statistics, compute_key_spread
 from fpv2.index import SelectionConfig, available_strategies, get_strategy
 from fpv2.index.api import _build_block_index
 from fpv2.index.strategies.max_threshold import use_triton_index
@@ -16,6 +16,7 @@ from fpv2.kernel import (
     BlockIndex,
     BlockStatistics,
     CorrectionPlan,
+    KeySpread,
     PagedPrefillBatch,
     validate_prefill_inputs,
 )
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 
 #: The strategy that keeps every causally visible block (the dense mode).
 DENSE_STRATEGY = "dense"
+#: Logit shifts of the correction's pooled terms: ``log |B_J|`` alone, or with the second-order mass shift
+#: (:class:`fpv2.kernel.KeySpread`).
+MASS_SHIFTS = ("mean", "second_order")
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,6 +83,10 @@ class SparsePrefillPipeline:
             CSR to walk) when the backend has one, and the index is still built
             for the result.
         correction: add the mean correction for pruned blocks.
+        mass_shift: the pooled terms' logit shift, ``"mean"`` (``log |B_J|``) or
+            ``"second_order"`` (also the block's key spread, one more pass over the keys per
+            call; see :mod:`fpv2.kernel.reference.mass_shift`). Backends list what they apply
+            in ``mass_shifts``; ``auto`` runs second-order plans on its portable kernel.
         backend: ``"auto"``, a backend name, or a backend object (see
             :func:`fpv2.serving.backends.resolve_backend`).
         check_index: re-check on the device that the index fits the batch (tile offsets,
@@ -90,7 +98,8 @@ class SparsePrefillPipeline:
 
     Raises:
         TypeError: ``config`` is not a SelectionConfig, or ``correction``/``check_index`` not a bool.
-        ValueError: unknown strategy or backend name.
+        ValueError: unknown strategy, backend name or mass shift, a second-order shift without the
+            correction, or one the backend does not apply.
         RuntimeError: the named backend is not available here.
     """
 
@@ -102,6 +111,7 @@ class SparsePrefillPipeline:
         correction: bool = True,
         backend: str | AttentionBackend = AUTO,
         check_index: bool = False,
+        mass_shift: str = "mean",
     ) -> None:
         if config is None:
             config = SelectionConfig()
@@ -119,11 +129,23 @@ class SparsePrefillPipeline:
         self.strategy = strategy
         self.correction = correction
         self.backend = resolve_backend(backend)
+        if mass_shift not in MASS_SHIFTS:
+            raise ValueError(f"mass_shift must be one of {', '.join(MASS_SHIFTS)}; got {mass_shift!r}")
+        if mass_shift != "mean":
+            if not correction:
+                raise ValueError(f"mass_shift={mass_shift!r} shifts the correction's terms: it needs correction=True")
+            applied = getattr(self.backend, "mass_shifts", ("mean",))
+            if mass_shift not in applied:
+                raise ValueError(
+                    f"backend {self.backend.name!r} applies mass_shift {', '.join(map(repr, applied))} only; "
+                    f"got {mass_shift!r} (the triton and reference backends apply it, and auto routes to them)"
+                )
+        self.mass_shift = mass_shift
 
     def __repr__(self) -> str:
         return (
             f"SparsePrefillPipeline(strategy={self.strategy!r}, correction={self.correction}, "
-            f"backend={self.backend.name!r}, config={self.config!r})"
+            f"mass_shift={self.mass_shift!r}, backend={self.backend.name!r}, config={self.config!r})"
         )
 
     def _tile_copies(
@@ -133,6 +155,8 @@ class SparsePrefillPipeline:
         offer = getattr(self.backend, "tile_copies_for", None)
         if not callable(offer) or self.config.block_size != BLOCK_SIZE or not use_triton_index(q):
             return None
+        if self.mass_shift != "mean":
+            return None  # the backends that take tile pages (Hopper) apply the mean shift only: the call goes past them
         return offer(q, k_cache, v_cache, batch)
 
     def __call__(
@@ -213,6 +237,9 @@ class SparsePrefillPipeline:
             # A backend that derives the todo bits from the CSR needs no per-segment host work.
             derives_todo = getattr(self.backend, "derives_todo", False)
             plan = CorrectionPlan(statistics) if derives_todo else build_correction_plan(index, statistics, batch)
+            if self.mass_shift == "second_order":
+                spread = _key_spread(k_cache, batch, statistics, k_descale)
+                plan = CorrectionPlan(plan.statistics, plan.todo_offsets, plan.todo_masks, key_spread=spread)
         clock.mark("correction")
         scale = self.config.scale_for(shapes.head_dim)
         descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
@@ -249,6 +276,17 @@ def is_builtin_strategy(strategy: str) -> bool:
         True for a built-in strategy.
     """
     return type(get_strategy(strategy)).__module__.startswith("fpv2.index.")
+
+
+def _key_spread(
+    k_cache: torch.Tensor, batch: PagedPrefillBatch, statistics: BlockStatistics, k_descale: torch.Tensor | None
+) -> KeySpread:
+    """The blocks' key spread: one Triton pass on a GPU (no host sync), the PyTorch reference elsewhere."""
+    if k_cache.is_cuda:
+        from fpv2.kernel.triton.key_spread import key_spread_triton
+
+        return key_spread_triton(k_cache, batch, statistics, k_descale=k_descale)
+    return compute_key_spread(k_cache, batch, statistics, k_descale=k_descale)
 
 
 def _pool_statistics(

@@ -41,6 +41,7 @@ SUMMARY_EXTRAS = (
     "gpu_attention_ms",
     "gpu_speedup",
     "kv_layout",
+    "mass_shift",
 )
 
 
@@ -105,6 +106,15 @@ def write_json(path: Path, payload: object) -> Path:
     return path
 
 
+def _correction_cell(row: dict[str, object]) -> str:
+    """``on`` / ``off`` for a sparse row's correction (``2nd`` with the second-order mass shift), else ``-``."""
+    if not str(row["impl"]).startswith("fpv2-sparse"):
+        return "-"
+    if row.get("correction") and row.get("mass_shift") == "second_order":
+        return "2nd"
+    return _fmt(row.get("correction"), "")
+
+
 def _fmt(value: object, spec: str) -> str:
     if value is None:
         return "-"
@@ -145,7 +155,7 @@ def render_table(rows: list[dict[str, object]], *, title: str) -> object:
         table.add_row(
             str(row["impl"]),
             _fmt(row.get("alpha"), ".4g"),
-            _fmt(row.get("correction") if str(row["impl"]).startswith("fpv2-sparse") else None, ""),
+            _correction_cell(row),
             _fmt(row.get("ms"), ".3f"),
             _fmt(row.get("gpu_ms"), ".3f"),
             _fmt(row.get("index_ms"), ".3f"),

@@ -19,6 +19,7 @@ import torch
 from ..contracts import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch
 from ..reference.pooled_e4m3 import PooledE4M3
 from .codes import MAX_NDIM, PREFILL_CAUSAL, DType
+from .errors import UnsupportedConfigurationError
 
 #: torch dtype -> ``fpv2_dtype_t`` code: the one table of the binding.
 TORCH_TO_DTYPE: dict[torch.dtype, DType] = {
@@ -339,9 +340,18 @@ def correction_plan_struct(
     Raises:
         TypeError: ``plan`` is not a :class:`CorrectionPlan`, ``pooled_e4m3`` not a
             :class:`~fpv2.kernel.reference.pooled_e4m3.PooledE4M3`, or a tensor the ABI cannot describe.
+        UnsupportedConfigurationError: the plan asks for the second-order mass shift (a
+            ``key_spread``), which the struct cannot carry.
     """
     if not isinstance(plan, CorrectionPlan):
         raise TypeError(f"plan must be a CorrectionPlan, got {type(plan).__name__}")
+    if plan.key_spread is not None:
+        # Dropping the spread would run the mean correction silently: refuse by name instead.
+        raise UnsupportedConfigurationError(
+            "plan.key_spread: the native kernel applies the mean correction only (plan.mass_shift 'mean'); "
+            "a plan with the second-order mass shift runs on the Triton kernel (sparse_attention_triton) or the "
+            "reference"
+        )
     if pooled_e4m3 is not None and not isinstance(pooled_e4m3, PooledE4M3):
         raise TypeError(f"pooled_e4m3 must be a PooledE4M3 or None, got {type(pooled_e4m3).__name__}")
     stats = plan.statistics

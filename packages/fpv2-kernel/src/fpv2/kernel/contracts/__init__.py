@@ -3,6 +3,7 @@
 from .block_index import SEGMENT_ORDER, BlockIndex, expected_tile_offsets
 from .correction_plan import CORRECTION_CHUNK, BlockStatistics, CorrectionPlan
 from .geometry import BLOCK_SIZE, TILE_SIZE, TileSpan, cdiv, num_key_blocks, num_query_tiles, tile_span
+from .key_spread import KeySpread
 from .paged_batch import HostBatchView, PagedPrefillBatch
 from .prefill_inputs import ACTIVATION_DTYPES, SUPPORTED_HEAD_DIMS, PrefillShapes, validate_prefill_inputs
 
@@ -17,6 +18,7 @@ __all__ = [
     "BlockStatistics",
     "CorrectionPlan",
     "HostBatchView",
+    "KeySpread",
     "PagedPrefillBatch",
     "PrefillShapes",
     "TileSpan",

@@ -8,6 +8,7 @@ import torch
 
 from ._checks import check_contiguous, check_positive_int, check_shape, check_tensor, describe
 from .geometry import BLOCK_SIZE
+from .key_spread import KeySpread
 
 #: Pooled blocks handled per correction step (one 64-bit todo word).
 CORRECTION_CHUNK = 64
@@ -86,13 +87,17 @@ class CorrectionPlan:
 
     Each todo block enters the row's online softmax as one extra key
     ``pooled_k[J]`` with logit ``q . pooled_k[J] * scale + log(block_lengths[J])``
-    and value ``pooled_v[J]``.
+    and value ``pooled_v[J]``. With a ``key_spread`` the logit also gains the
+    second-order mass shift ``min(scale^2 |q|^2 variance[J] / 2, scale |q| radius[J])``
+    (:attr:`mass_shift` ``"second_order"``); a kernel that does not apply it refuses
+    the plan rather than dropping the term.
     """
 
     statistics: BlockStatistics
     todo_offsets: torch.Tensor | None = None
     todo_masks: torch.Tensor | None = None
     chunk_size: int = CORRECTION_CHUNK
+    key_spread: KeySpread | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_size != CORRECTION_CHUNK:
@@ -105,3 +110,12 @@ class CorrectionPlan:
             device = self.statistics.pooled_k.device
             check_tensor("todo_offsets", self.todo_offsets, dtypes=(torch.int32,), ndim=1, device=device)
             check_tensor("todo_masks", self.todo_masks, dtypes=(torch.int64,), ndim=1, device=device)
+        if self.key_spread is not None:
+            if not isinstance(self.key_spread, KeySpread):
+                raise TypeError(f"key_spread must be a KeySpread or None; got {type(self.key_spread).__name__}")
+            self.key_spread.check_fits(self.statistics.pooled_k)
+
+    @property
+    def mass_shift(self) -> str:
+        """``"mean"`` (logit shift ``log |B_J|`` only) or ``"second_order"`` (a ``key_spread`` is given)."""
+        return "mean" if self.key_spread is None else "second_order"

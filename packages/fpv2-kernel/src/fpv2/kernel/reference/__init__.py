@@ -4,6 +4,7 @@
 * :func:`sparse_attention`: attention over the kept blocks of a CSR block index,
   with the optional mean correction for pruned blocks;
 * :func:`expand_block_mask`: the token-level mask an index stands for;
+* :func:`second_order_shift`: the correction's optional second-order mass shift;
 * pooling, paged gather, PackGQA packing and the correction rule they build on;
 * the FP8 (e4m3) quantisation conventions of the kernels.
 """
@@ -18,6 +19,7 @@ from .fp8 import (
     quantize_probabilities,
     quantize_queries,
 )
+from .mass_shift import second_order_shift
 from .packgqa import pack_queries
 from .paged import gather_kv
 from .pooling import pool_blocks, pool_request
@@ -36,6 +38,7 @@ __all__ = [
     "quantize_cache",
     "quantize_probabilities",
     "quantize_queries",
+    "second_order_shift",
     "sparse_attention",
     "todo_blocks",
     "todo_words",

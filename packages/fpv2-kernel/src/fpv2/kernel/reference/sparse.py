@@ -7,7 +7,8 @@ with the causal mask applied inside the diagonal band. With a
 :class:`~fpv2.kernel.contracts.CorrectionPlan`, every *todo* block (eligible
 and not kept, see :mod:`.correction_rule`) adds one pseudo-key per row: the
 block's pooled key with its logit shifted by ``log |B_J|`` and its pooled
-value, which stands for the ``|B_J|`` tokens that were pruned.
+value, which stands for the ``|B_J|`` tokens that were pruned. A plan with a
+``key_spread`` adds the second-order mass shift to those logits (:mod:`.mass_shift`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..contracts import (
     BlockIndex,
     BlockStatistics,
     CorrectionPlan,
+    KeySpread,
     PagedPrefillBatch,
     PrefillShapes,
     TileSpan,
@@ -33,6 +35,7 @@ from ..contracts import (
 )
 from .attention import check_compute_dtype, masked_softmax, request_operands, resolve_scale
 from .correction_rule import todo_blocks
+from .mass_shift import second_order_shift
 from .packgqa import pack_queries, packed_rows_to_position_head
 
 
@@ -196,7 +199,9 @@ def sparse_attention(
                     todo = todo_source.blocks(s, kept, span) if todo_source else todo_blocks(kept, span)
                     if todo:
                         stat_rows = [block_offsets[b] + j for j in todo]  # statistics row of block J
-                        extra_logits, extra_values = _pseudo_keys(rows, plan.statistics, stat_rows, h, scale)
+                        extra_logits, extra_values = _pseudo_keys(
+                            rows, plan.statistics, stat_rows, h, scale, plan.key_spread
+                        )
                         logits = torch.cat([logits, extra_logits], dim=1)
                         values = torch.cat([values, extra_values], dim=0)
 
@@ -210,13 +215,19 @@ def sparse_attention(
 
 
 def _pseudo_keys(
-    rows: torch.Tensor, stats: BlockStatistics, stat_rows: list[int], kv_head: int, scale: float
+    rows: torch.Tensor,
+    stats: BlockStatistics,
+    stat_rows: list[int],
+    kv_head: int,
+    scale: float,
+    spread: KeySpread | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Correction columns of one tile: one pseudo-key per todo block.
 
     Adding ``log |B_J|`` to the logit makes one softmax column weigh as much as the
     ``|B_J|`` tokens it replaces, each approximated by the block mean:
-    ``|B_J| * exp(q . kbar_J * scale) = exp(q . kbar_J * scale + log |B_J|)``.
+    ``|B_J| * exp(q . kbar_J * scale) = exp(q . kbar_J * scale + log |B_J|)``. With a
+    ``spread`` the logit also gains :func:`~fpv2.kernel.reference.mass_shift.second_order_shift`.
 
     Args:
         rows: ``(R, d)`` packed query rows of the tile, in the compute dtype.
@@ -224,6 +235,7 @@ def _pseudo_keys(
         stat_rows: statistics rows of the todo blocks (``block_offsets[b] + J``).
         kv_head: KV head ``h``.
         scale: softmax scale.
+        spread: the plan's key spread (second-order mass shift), or None.
 
     Returns:
         ``logits (R, len(stat_rows))`` and ``values (len(stat_rows), d)`` in the dtype of ``rows``.
@@ -233,7 +245,10 @@ def _pseudo_keys(
     pooled_k = stats.pooled_k[idx, kv_head].to(device=device, dtype=dtype)
     pooled_v = stats.pooled_v[idx, kv_head].to(device=device, dtype=dtype)
     log_len = torch.log(stats.block_lengths[idx].to(device=device, dtype=dtype))
-    return (rows @ pooled_k.T) * scale + log_len[None, :], pooled_v
+    logits = (rows @ pooled_k.T) * scale + log_len[None, :]
+    if spread is not None:
+        logits = logits + second_order_shift(rows, spread.variance[idx, kv_head], spread.radius[idx, kv_head], scale)
+    return logits, pooled_v
 
 
 class _TodoWords:

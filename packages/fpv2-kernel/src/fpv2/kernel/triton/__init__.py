@@ -13,7 +13,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "fpv2.kernel.triton needs Triton: install it with `pip install fpv2-kernel[triton]` (or `pip install triton`)"
     ) from exc
 
+from .key_spread import key_spread_triton
 from .launch import BLOCK_M, is_interpreted, sparse_attention_triton
 from .tuning import TUNING_TABLE, LaunchConfig, launch_config
 
-__all__ = ["BLOCK_M", "TUNING_TABLE", "LaunchConfig", "is_interpreted", "launch_config", "sparse_attention_triton"]
+__all__ = [
+    "BLOCK_M",
+    "TUNING_TABLE",
+    "LaunchConfig",
+    "is_interpreted",
+    "key_spread_triton",
+    "launch_config",
+    "sparse_attention_triton",
+]

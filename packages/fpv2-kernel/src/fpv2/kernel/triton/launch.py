@@ -91,7 +91,8 @@ def sparse_attention_triton(
     (request, KV head, tile) segment's PackGQA rows attend exactly to the tokens of
     its kept blocks (bottom-right causal mask inside the diagonal band), and with a
     ``plan`` every eligible pruned block adds its pooled key/value with logit
-    ``q . kbar * scale + log |B_J|``. Works for every page size (1 included).
+    ``q . kbar * scale + log |B_J|`` (plus the second-order mass shift when the plan
+    carries a ``key_spread``). Works for every page size (1 included).
 
     FP8 (``float8_e4m3fn``) inputs: the logit scale absorbs ``q_descale * k_descale``
     of the tile's (request, KV head), probabilities are ``2^(s - m + 8)`` rounded to
@@ -191,7 +192,9 @@ def sparse_attention_triton(
             todo_offsets, todo_masks = todo_words(index, batch, seg_request)
         if todo_masks.numel() == 0:
             todo_masks = torch.zeros(1, dtype=torch.int64, device=q.device)
+        spread = plan.key_spread
     else:
+        spread = None
         pooled = (dummy_f32,) * 2
         todo_offsets, todo_masks = dummy_i32, torch.zeros(1, dtype=torch.int64, device=q.device)
 
@@ -226,6 +229,8 @@ def sparse_attention_triton(
         plan.statistics.block_offsets if plan is not None else dummy_i32,
         todo_offsets,
         todo_masks,
+        spread.variance if spread is not None else dummy_f32,
+        spread.radius if spread is not None else dummy_f32,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -242,6 +247,7 @@ def sparse_attention_triton(
         batch.page_table.stride(0),
         pooled[0].stride(0) if plan is not None else 0,
         pooled[0].stride(1) if plan is not None else 0,
+        spread.variance.stride(0) if spread is not None else 0,
         NUM_KV_HEADS=shapes.num_kv_heads,
         GROUP=group,
         HEAD_DIM=shapes.head_dim,
@@ -254,6 +260,7 @@ def sparse_attention_triton(
         CORR_N=config.correction_step,
         DENSE=index is None,
         CORRECTION=plan is not None,
+        SECOND_ORDER=spread is not None,
         FP8=shapes.is_fp8,
         P_SHIFT=P_SHIFT_FP8 if shapes.is_fp8 else 0.0,
         DOT_KIND=dot_kind,

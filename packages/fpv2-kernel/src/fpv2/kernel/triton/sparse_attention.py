@@ -12,7 +12,9 @@ page table. The program runs three phases over one online-softmax state:
    bottom-right causal mask and the KV tail mask;
 3. with a correction plan, the pruned eligible blocks in chunks of ``CHUNK``
    pooled vectors: one extra QK/softmax/PV step per chunk whose todo word is
-   not zero, each todo column weighted by its block length (``+ log2 |B_J|``).
+   not zero, each todo column weighted by its block length (``+ log2 |B_J|``)
+   and, with ``SECOND_ORDER``, by the second-order mass shift of its block
+   (``min(a_r var_J, b_r rad_J)``: two per-row and two per-column scalars).
 
 Logits are kept in log2 units: the softmax scale is multiplied by ``log2(e)``
 on the host and every exponential is an ``exp2``. FP8 probabilities are
@@ -162,10 +164,16 @@ def _correct_chunk(
     acc,
     corr_scale,
     v_units,
+    shift_a,
+    shift_b,
+    variance_head,
+    radius_head,
+    stride_sb,
     HEAD_DIM: tl.constexpr,
     P_SHIFT: tl.constexpr,
     CORR_KIND: tl.constexpr,
     FP8: tl.constexpr,
+    SECOND_ORDER: tl.constexpr,
 ):
     """One online-softmax step over a chunk of pooled blocks (statistics rows ``stat``).
 
@@ -173,6 +181,8 @@ def _correct_chunk(
     ``q . kbar_J * scale + log2 |B_J|`` (log2 units) and value ``vbar_J * v_units``;
     columns that are not todo get ``-inf``. Loads depend on ``eligible`` only (a
     function of the step number), not on the todo bits, so the loop software-pipelines.
+    With ``SECOND_ORDER`` the logit also gains ``min(shift_a_r * var_J, shift_b_r * rad_J)``
+    (log2 units; the row factors come from ``|q_r|``, see the kernel's phase 3).
 
     With ``CORR_KIND`` 0 the pooled vectors and ``q_c`` are fp32 and the products IEEE
     fp32; otherwise both are 16-bit (fp16 or bf16, converted once by the launcher) and
@@ -189,6 +199,10 @@ def _correct_chunk(
     log2_len = tl.log2(tl.load(block_lengths + stat, mask=eligible, other=1).to(tl.float32))
     bias = tl.where(todo, log2_len, float("-inf"))
     s = s * corr_scale + bias[None, :]
+    if SECOND_ORDER:
+        var = tl.load(variance_head + stat * stride_sb, mask=eligible, other=0.0)
+        rad = tl.load(radius_head + stat * stride_sb, mask=eligible, other=0.0)
+        s += tl.minimum(shift_a[:, None] * var[None, :], shift_b[:, None] * rad[None, :])
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A chunk may hold no todo column, and a row may have seen no key: no inf - inf.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -250,6 +264,8 @@ def sparse_prefill_kernel(
     BlockOffsets,
     TodoOffsets,
     TodoMasks,
+    KeyVariance,
+    KeyRadius,
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -266,6 +282,7 @@ def sparse_prefill_kernel(
     stride_pt,
     stride_pb,
     stride_ph,
+    stride_sb,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -278,6 +295,7 @@ def sparse_prefill_kernel(
     CORR_N: tl.constexpr,
     DENSE: tl.constexpr,
     CORRECTION: tl.constexpr,
+    SECOND_ORDER: tl.constexpr,
     FP8: tl.constexpr,
     P_SHIFT: tl.constexpr,
     DOT_KIND: tl.constexpr,
@@ -294,9 +312,11 @@ def sparse_prefill_kernel(
     ``PageTable (B, max_pages)``; ``SegRequest (S,)`` request of each program and
     ``TileOffsets (B+1,)``; CSR ``IdxOffsets (S+1,)``, ``IdxBlocks (nnz,)`` (unused when
     ``DENSE``); FP8 descales ``(B, Hkv)`` contiguous; correction statistics and todo words
-    (unused without ``CORRECTION``). All integer metadata is int32. ``P_SHIFT`` is 8 for FP8
-    (probabilities ``2^(s - m + 8)``) and 0 otherwise. ``CORR_KIND`` picks the correction's
-    products: 0 fp32 IEEE, 1 split fp16, 2 split bf16 (see :func:`_correct_chunk`).
+    (unused without ``CORRECTION``); with ``SECOND_ORDER`` the key spread ``KeyVariance`` /
+    ``KeyRadius (total_blocks, Hkv) f32`` (row stride ``stride_sb``). All integer metadata is
+    int32. ``P_SHIFT`` is 8 for FP8 (probabilities ``2^(s - m + 8)``) and 0 otherwise.
+    ``CORR_KIND`` picks the correction's products: 0 fp32 IEEE, 1 split fp16, 2 split bf16
+    (see :func:`_correct_chunk`).
     """
     if REVERSE:
         # Segments run last to first: within a request, the tiles late in the sequence (the
@@ -407,6 +427,16 @@ def sparse_prefill_kernel(
                 q_c = q.to(tl.float16)
             else:
                 q_c = q.to(tl.bfloat16)
+            if SECOND_ORDER:
+                # min(scale^2 |q|^2 var / 2, scale |q| rad) in log2 units, with qn = scale |q| log2(e) in
+                # real units (corr_scale carries the FP8 query descale): min(ln2 qn^2 / 2 * var, qn * rad).
+                q_f = q.to(tl.float32)
+                q_norm = tl.sqrt(tl.sum(q_f * q_f, 1)) * corr_scale
+                shift_a = 0.34657359027997264 * q_norm * q_norm
+                shift_b = q_norm
+            else:
+                shift_a = tl.zeros([BLOCK_M], tl.float32)
+                shift_b = shift_a
             # CORR_N pooled vectors per step (a 64-bit todo word covers CHUNK = 64 of them).
             # No per-step branch: a step whose todo bits are all clear adds exp2(-inf) = 0.
             for c in tl.range(0, tl.cdiv(n_elig, CORR_N), num_stages=CORR_STAGES):
@@ -417,7 +447,8 @@ def sparse_prefill_kernel(
                 todo = eligible & (((word >> (blk_c % CHUNK).to(tl.int64)) & 1) != 0)
                 m_i, l_i, acc = _correct_chunk(
                     q_c, PooledK + h * stride_ph, PooledV + h * stride_ph, (boff + blk_c).to(tl.int64), stride_pb,
-                    BlockLengths, eligible, todo, m_i, l_i, acc, corr_scale, v_units, HEAD_DIM, P_SHIFT, CORR_KIND, FP8,
+                    BlockLengths, eligible, todo, m_i, l_i, acc, corr_scale, v_units, shift_a, shift_b,
+                    KeyVariance + h, KeyRadius + h, stride_sb, HEAD_DIM, P_SHIFT, CORR_KIND, FP8, SECOND_ORDER,
                 )  # fmt: skip
 
     # ---- epilogue: normalise, write the rows of this tile (rows that saw nothing get 0 / -inf)
