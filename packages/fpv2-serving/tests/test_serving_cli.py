@@ -205,6 +205,10 @@ def test_mass_shift_reaches_the_config():
     args = ["bench", "--device", "cpu", "--mass-shift", "second_order", "--mass-shift", "second_order"]
     config, _ = cli._bench_config(parser.parse_args(args))
     assert config.mass_shifts == ("second_order",)
+    config, _ = cli._bench_config(
+        parser.parse_args(["bench", "--device", "cpu", *"--alpha 0.1 --alpha 0.4 --alpha 0.1".split()])
+    )
+    assert config.alphas == (0.1, 0.4)  # the device scripts' default alpha plus the same one again: one run
 
 
 def test_workload_names():

@@ -195,7 +195,7 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         )
     if value["head_dim"] not in SUPPORTED_HEAD_DIMS:
         raise _ArgumentError(f"--head-dim must be one of {SUPPORTED_HEAD_DIMS}; got {value['head_dim']}")
-    alphas = tuple(args.alpha) if args.alpha else (DEFAULT_ALPHA,)
+    alphas = tuple(dict.fromkeys(args.alpha)) if args.alpha else (DEFAULT_ALPHA,)  # a repeated alpha runs once
     for alpha in alphas:
         if not 0.0 < alpha <= 1.0:
             raise _ArgumentError(f"--alpha must lie in (0, 1]; got {alpha}")
