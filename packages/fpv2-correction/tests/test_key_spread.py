@@ -9,7 +9,7 @@ import torch
 
 from fpv2.correction import build_correction_plan, compute_block_statistics, corrected_attention
 from fpv2.correction.key_spread import KeySpread, compute_key_spread, second_order_shift
-from fpv2.kernel import CorrectionPlan, PagedPrefillBatch
+from fpv2.kernel import PagedPrefillBatch
 from fpv2.kernel.reference.attention import dense_attention
 from fpv2.kernel.reference.fp8 import dequantize_cache, quantize_cache
 from fpv2.kernel.reference.paged import gather_kv
@@ -129,7 +129,7 @@ def test_the_shift_lowers_the_corrected_error_against_dense(drift_tokens):
     spread = compute_key_spread(w.k_cache, w.batch, stats)
     dense = dense_attention(w.q, w.k_cache, w.v_cache, w.batch, compute_dtype=F64)
     mean_only = corrected_attention(w.q, w.k_cache, w.v_cache, w.batch, index, plan, compute_dtype=F64)
-    shifted_plan = CorrectionPlan(stats, plan.todo_offsets, plan.todo_masks, key_spread=spread)
+    shifted_plan = build_correction_plan(index, stats, w.batch, key_spread=spread)
     assert shifted_plan.mass_shift == "second_order"
     shifted = corrected_attention(w.q, w.k_cache, w.v_cache, w.batch, index, shifted_plan, compute_dtype=F64)
 

@@ -206,8 +206,10 @@ def test_triton_spread_refuses_bad_arguments(paged_case, device):
     short = type(stats)(stats.pooled_k[:-1], stats.pooled_v[:-1], stats.block_lengths[:-1], stats.block_offsets)
     with pytest.raises(ValueError, match="the batch needs"):
         key_spread_triton(case.k_cache, case.batch, short)  # one block fewer than the batch has
-    with pytest.raises(ValueError, match="k_descale is required"):
+    with pytest.raises(ValueError, match="k_descale is only meaningful"):
         key_spread_triton(case.k_cache, case.batch, stats, k_descale=torch.ones(3, 2, device=device))
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        key_spread_triton(case.k_cache[:-1], case.batch, stats)  # a page fewer than the page table addresses
 
 
 @triton_runs

@@ -17,6 +17,7 @@ from fpv2.kernel.contracts import (
     BlockIndex,
     BlockStatistics,
     CorrectionPlan,
+    KeySpread,
     PagedPrefillBatch,
     num_key_blocks,
     num_query_tiles,
@@ -52,13 +53,21 @@ def _check_statistics(statistics: BlockStatistics, index: BlockIndex, batch: Pag
         )
 
 
-def build_correction_plan(index: BlockIndex, statistics: BlockStatistics, batch: PagedPrefillBatch) -> CorrectionPlan:
+def build_correction_plan(
+    index: BlockIndex,
+    statistics: BlockStatistics,
+    batch: PagedPrefillBatch,
+    *,
+    key_spread: KeySpread | None = None,
+) -> CorrectionPlan:
     """Materialise the todo bitmask of every segment of ``index``.
 
     Args:
         index: the block index (checked against ``batch`` with its own group).
         statistics: pooled K and V of ``batch`` with ``index.block_size``.
         batch: the paged prefill batch the index was built for.
+        key_spread: the blocks' key spread, to ask the kernel for the second-order mass shift
+            (:func:`~fpv2.correction.compute_key_spread`); None for the mean correction.
 
     Returns:
         A :class:`~fpv2.kernel.CorrectionPlan` with ``todo_offsets (S+1,) int32`` and
@@ -96,4 +105,5 @@ def build_correction_plan(index: BlockIndex, statistics: BlockStatistics, batch:
         statistics=statistics,
         todo_offsets=torch.tensor(word_offsets, dtype=torch.int32, device=device),
         todo_masks=torch.tensor(words, dtype=torch.int64, device=device),
+        key_spread=key_spread,
     )

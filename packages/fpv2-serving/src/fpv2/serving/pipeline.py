@@ -236,10 +236,11 @@ class SparsePrefillPipeline:
         if self.correction:
             # A backend that derives the todo bits from the CSR needs no per-segment host work.
             derives_todo = getattr(self.backend, "derives_todo", False)
-            plan = CorrectionPlan(statistics) if derives_todo else build_correction_plan(index, statistics, batch)
-            if self.mass_shift == "second_order":
-                spread = _key_spread(k_cache, batch, statistics, k_descale)
-                plan = CorrectionPlan(plan.statistics, plan.todo_offsets, plan.todo_masks, key_spread=spread)
+            spread = _key_spread(k_cache, batch, statistics, k_descale) if self.mass_shift == "second_order" else None
+            if derives_todo:
+                plan = CorrectionPlan(statistics, key_spread=spread)
+            else:
+                plan = build_correction_plan(index, statistics, batch, key_spread=spread)
         clock.mark("correction")
         scale = self.config.scale_for(shapes.head_dim)
         descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}

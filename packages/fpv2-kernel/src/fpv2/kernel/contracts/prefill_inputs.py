@@ -79,15 +79,31 @@ def validate_prefill_inputs(
         check_last_dim_contiguous(name, t)
     if q.shape[0] != batch.total_q:
         raise ValueError(f"q must hold cu_seqlens_q[-1]={batch.total_q} packed queries; got {describe(q)}")
-    is_fp8 = q.dtype == torch.float8_e4m3fn
     for name, scale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if is_fp8 and scale is None:
-            raise ValueError(
-                f"{name} is required for float8_e4m3fn inputs (shape ({batch.num_requests}, {num_kv_heads}))"
-            )
-        if not is_fp8 and scale is not None:
-            raise ValueError(f"{name} is only meaningful for float8_e4m3fn inputs; q has dtype {q.dtype}")
-        if scale is not None:
-            check_tensor(name, scale, dtypes=(torch.float32,), ndim=2, device=device)
-            check_shape(name, scale, (batch.num_requests, num_kv_heads))
+        check_descale(name, scale, q.dtype, batch, num_kv_heads)
     return PrefillShapes(num_q_heads, num_kv_heads, head_dim, q.dtype)
+
+
+def check_descale(
+    name: str, scale: torch.Tensor | None, dtype: torch.dtype, batch: PagedPrefillBatch, num_kv_heads: int
+) -> None:
+    """An FP8 descale: ``(B, Hkv) float32`` on the batch's device for e4m3 inputs, None for any other dtype.
+
+    Args:
+        name: the argument's name, for the message.
+        scale: the descale, or None.
+        dtype: the element type of the inputs it scales.
+        batch: the batch (its request count and device).
+        num_kv_heads: ``Hkv``.
+
+    Raises:
+        TypeError, ValueError: a missing, superfluous or misshapen descale, named.
+    """
+    is_fp8 = dtype == torch.float8_e4m3fn
+    if is_fp8 and scale is None:
+        raise ValueError(f"{name} is required for float8_e4m3fn inputs (shape ({batch.num_requests}, {num_kv_heads}))")
+    if not is_fp8 and scale is not None:
+        raise ValueError(f"{name} is only meaningful for float8_e4m3fn inputs; the inputs have dtype {dtype}")
+    if scale is not None:
+        check_tensor(name, scale, dtypes=(torch.float32,), ndim=2, device=batch.device)
+        check_shape(name, scale, (batch.num_requests, num_kv_heads))

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from ..contracts import ACTIVATION_DTYPES, BlockStatistics, KeySpread, PagedPrefillBatch, num_key_blocks
-from ..contracts._checks import check_tensor, describe
+from ..contracts._checks import check_last_dim_contiguous, check_shape, check_tensor, describe
+from ..contracts.prefill_inputs import check_descale
 
 #: Tokens of a block read per step.
 TOKENS_PER_STEP = 32
@@ -102,9 +103,10 @@ def key_spread_triton(
     if not isinstance(statistics, BlockStatistics):
         raise TypeError(f"statistics must be a BlockStatistics, got {type(statistics).__name__}")
     check_tensor("k_cache", k_cache, dtypes=ACTIVATION_DTYPES, ndim=4, device=batch.device)
-    if k_cache.stride(3) != 1:
-        raise ValueError(f"k_cache must have unit stride along d; got {describe(k_cache)}")
+    check_shape("k_cache", k_cache, (batch.num_pages, batch.page_size, None, None))
+    check_last_dim_contiguous("k_cache", k_cache)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    check_descale("k_descale", k_descale, k_cache.dtype, batch, num_kv_heads)
     if tuple(statistics.pooled_k.shape[1:]) != (num_kv_heads, head_dim) or statistics.pooled_k.device != k_cache.device:
         raise ValueError(
             f"statistics pooled_k {describe(statistics.pooled_k)} does not fit k_cache {describe(k_cache)}"
@@ -116,10 +118,6 @@ def key_spread_triton(
             f"the batch needs {sum(blocks)} blocks of {statistics.block_size} tokens and {batch.num_requests + 1}"
         )
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8 != (k_descale is not None):
-        raise ValueError("k_descale is required for, and only for, float8_e4m3fn caches")
-    if fp8:
-        check_tensor("k_descale", k_descale, dtypes=(torch.float32,), ndim=2, device=k_cache.device)
     total = statistics.pooled_k.shape[0]
     variance = torch.zeros(total, num_kv_heads, dtype=torch.float32, device=k_cache.device)
     radius = torch.zeros_like(variance)
