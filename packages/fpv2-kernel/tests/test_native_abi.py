@@ -17,6 +17,7 @@ checks of the header against the ctypes mirrors and of the struct builders run w
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import os
 import re
@@ -39,6 +40,7 @@ from fpv2.kernel.contracts import (
     TILE_SIZE,
     BlockIndex,
     CorrectionPlan,
+    KeySpread,
     PagedPrefillBatch,
     expected_tile_offsets,
     num_key_blocks,
@@ -248,6 +250,10 @@ def test_struct_layout_matches_c_compiler(run_against_header) -> None:
     lines.append('  printf("FPV2_CORRECTION_PLAN_SIZE_V1_1 %u\\n", (unsigned)FPV2_CORRECTION_PLAN_SIZE_V1_1);')
     expected.append(f"FPV2_CORRECTION_PLAN_SIZE_V1_1 {cs.CorrectionPlanStruct.pooled_k_e4m3.offset}")
     assert cs.CORRECTION_PLAN_SIZE_V1_1 == cs.CorrectionPlanStruct.pooled_k_e4m3.offset == 496
+    # The ABI 1.2 size: where the key spread begins, frozen at 816 bytes.
+    lines.append('  printf("FPV2_CORRECTION_PLAN_SIZE_V1_2 %u\\n", (unsigned)FPV2_CORRECTION_PLAN_SIZE_V1_2);')
+    expected.append(f"FPV2_CORRECTION_PLAN_SIZE_V1_2 {cs.CorrectionPlanStruct.key_variance.offset}")
+    assert cs.CORRECTION_PLAN_SIZE_V1_2 == cs.CorrectionPlanStruct.key_variance.offset == 816
     lines += ["  return 0;", "}"]
     ran = 0
     for compiler in ("cc", "c++"):
@@ -393,6 +399,53 @@ def test_plan_of_the_abi_1_1_size_is_read_without_its_tail() -> None:
     plan_s.struct_size = cs.CORRECTION_PLAN_SIZE_V1_1
     assert LIB.fpv2_validate_correction_plan(ctypes.byref(plan_s), batch) == Status.OK, _last_error()
     assert _validate(args) == Status.OK, _last_error()
+
+
+def _spread_case() -> tuple[Case, BlockIndex, CorrectionPlan]:
+    """The standard case with a key spread in its plan (the second-order mass shift, ABI 1.5)."""
+    case = Case()
+    index, plan = case.index_and_plan()
+    shape = plan.statistics.pooled_k.shape[:2]
+    spread = KeySpread(torch.rand(shape), torch.rand(shape) + 1.0)
+    return case, index, dataclasses.replace(plan, key_spread=spread)
+
+
+def test_correction_plan_struct_fills_the_key_spread() -> None:
+    _, _, plan = _spread_case()
+    struct = cs.correction_plan_struct(plan)
+    for name, tensor in (("key_variance", plan.key_spread.variance), ("key_radius", plan.key_spread.radius)):
+        desc = getattr(struct, name)
+        assert desc.data == tensor.data_ptr() and desc.dtype == DType.F32 and desc.ndim == 2, name
+        assert list(desc.shape)[:2] == list(tensor.shape) and list(desc.strides)[:2] == [tensor.shape[1], 1], name
+    mean_only = cs.correction_plan_struct(dataclasses.replace(plan, key_spread=None))
+    assert mean_only.key_variance.data is None and mean_only.key_radius.ndim == 0
+
+
+@needs_library
+def test_key_spread_is_validated_by_name() -> None:
+    case, index, plan = _spread_case()
+    args = case.args(index=index, plan=plan)
+    plan_s, batch = args.correction.contents, args.batch
+    assert LIB.fpv2_validate_correction_plan(ctypes.byref(plan_s), batch) == Status.OK, _last_error()
+    assert _validate(args) == Status.OK, _last_error()
+    variance, radius = plan.key_spread.variance, plan.key_spread.radius
+    bad = {
+        "key_radius": (cs.tensor_desc(None), "come together"),
+        "key_variance": (cs.tensor_desc(variance.to(torch.int32)), "key_variance"),
+        "key_variance ": (cs.tensor_desc(variance[:-1]), "(total_blocks, Hkv)"),
+        "key_radius ": (cs.tensor_desc(radius.T.contiguous().T), "key_radius"),
+    }
+    for field_name, (desc, expected) in bad.items():
+        name = field_name.strip()
+        kept = cs.TensorDesc.from_buffer_copy(getattr(plan_s, name))  # a field reads through to the struct
+        setattr(plan_s, name, desc)
+        assert LIB.fpv2_validate_correction_plan(ctypes.byref(plan_s), batch) == Status.INVALID_ARGUMENT, field_name
+        assert "fpv2_correction_plan_t" in _last_error() and expected in _last_error(), (field_name, _last_error())
+        setattr(plan_s, name, kept)
+    # A caller built against ABI 1.2 to 1.4 sets the older size: the spread past it is not read (mean only).
+    plan_s.key_radius = cs.tensor_desc(None)
+    plan_s.struct_size = cs.CORRECTION_PLAN_SIZE_V1_2
+    assert LIB.fpv2_validate_correction_plan(ctypes.byref(plan_s), batch) == Status.OK, _last_error()
 
 
 @needs_library

@@ -4,10 +4,11 @@ A plan that carries a :class:`~fpv2.kernel.KeySpread` asks every kernel for the
 shift ``min(scale^2 |q|^2 var_J / 2, scale |q| rad_J)`` on each pooled logit. The
 reference adds it in :func:`~fpv2.kernel.reference.sparse.sparse_attention`; the
 Triton kernel adds it in its correction steps and computes the spread itself
-(:func:`~fpv2.kernel.triton.key_spread_triton`); the native struct refuses such a
-plan by name. Independent checks: the spread against a block-by-block fp64
-computation from the contiguous keys, the reference against logits written out
-here, the Triton kernel against the reference.
+(:func:`~fpv2.kernel.triton.key_spread_triton`); the native struct hands the
+spread to the Hopper kernel (ABI 1.5), which adds it in its pooled tiles.
+Independent checks: the spread against a block-by-block fp64 computation from the
+contiguous keys, the reference against logits written out here, the Triton and
+Hopper kernels against the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from fpv2.kernel import CorrectionPlan, KeySpread
+from fpv2.kernel import _native as native
 from fpv2.kernel._native import structs as native_structs
 from fpv2.kernel._native.errors import UnsupportedConfigurationError
 from fpv2.kernel.reference import (
@@ -101,12 +103,14 @@ def test_spread_contract_names_the_bad_tensor():
         KeySpread(torch.zeros(2, 6).T, ok)
 
 
-def test_native_struct_refuses_the_second_order_shift(paged_case):
+def test_native_struct_carries_the_spread(paged_case):
     case = paged_case(SEQLENS_Q, SEQLENS_K)
     stats = pool_blocks(case.k_cache, case.v_cache, case.batch)
-    native_structs.correction_plan_struct(CorrectionPlan(stats))  # the mean shift goes through
-    with pytest.raises(UnsupportedConfigurationError, match="plan.key_spread"):
-        native_structs.correction_plan_struct(CorrectionPlan(stats, key_spread=spread_of(case, 128)))
+    mean = native_structs.correction_plan_struct(CorrectionPlan(stats))
+    assert mean.key_variance.data is None and mean.key_radius.data is None  # the mean shift: absent
+    spread = spread_of(case, 128)
+    struct = native_structs.correction_plan_struct(CorrectionPlan(stats, key_spread=spread))
+    assert struct.key_variance.data == spread.variance.data_ptr() and struct.key_radius.data == spread.radius.data_ptr()
 
 
 # --------------------------------------------------------------------------- reference
@@ -310,3 +314,105 @@ def test_gpu_bf16_shift_against_the_reference(paged_case, hand_index, group, pag
     assert torch.isfinite(got).all()
     assert err < 1.5 * err_mean + 1e-3, (err, err_mean)
     assert float((want - mean_only).norm() / want.norm()) > 5 * err
+
+
+# --------------------------------------------------------------------------- Hopper kernel
+def _hopper_against_the_reference(case, index, stats, **kwargs) -> None:
+    """The Hopper kernel with and without the shift, on NaN-poisoned outputs, against the fp64 reference.
+
+    The shifted kernel must sit as close to the shifted reference as the mean-only kernel sits to its own
+    reference, while the shift moves the reference by far more than that (so that dropping it fails).
+    """
+    available, reason = native.hopper_available()
+    if not available:
+        pytest.skip(reason)
+    spread = key_spread_of(case, stats)
+    errors, refs = {}, {}
+    for name, plan in (("mean", CorrectionPlan(stats)), ("second", CorrectionPlan(stats, key_spread=spread))):
+        lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
+        got = native.hopper_prefill(case.q, case.k_cache, case.v_cache, torch.full_like(case.q, float("nan")),
+                                    case.batch, index=index, plan=plan, lse=lse, **kwargs)  # fmt: skip
+        want, want_lse = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan,
+                                          compute_dtype=F64, return_lse=True)  # fmt: skip
+        assert torch.isfinite(got).all(), f"{name}: rows left unwritten (NaN poison) or non-finite output"
+        torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=2e-2)
+        errors[name] = float((got.double() - want).norm() / want.norm())
+        refs[name] = want
+    moved = float((refs["second"] - refs["mean"]).norm() / refs["second"].norm())
+    assert errors["second"] < 1.5 * errors["mean"] + 1e-3, errors
+    assert moved > 5 * errors["second"], (moved, errors)
+
+
+def key_spread_of(case, stats) -> KeySpread:
+    """The spread of the case's keys: the Triton pass on CUDA (checked against fp64 above), else block by block."""
+    try:
+        from fpv2.kernel.triton import key_spread_triton
+    except ImportError:  # pragma: no cover - triton is part of the GPU images
+        return spread_of(case, 128)
+    return key_spread_triton(case.k_cache, case.batch, stats)
+
+
+HOPPER_HEAD_DIMS = native.hopper_head_dims() or (128,)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
+def test_hopper_shift_against_the_reference(paged_case, hand_index, head_dim, group, page_size):
+    """Varlen + prefix, GQA 1/4/8, the gather (pages 1, 16) and TMA (128) paths, every built head dim."""
+    case = paged_case([300, 0, 700], [300, 64, 2000], num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                      page_size=page_size, dtype=torch.bfloat16, device="cuda", q_gain=3.0,
+                      seed=group + head_dim + page_size)  # fmt: skip
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=group, tile_size=128, block_size=128,
+                          keep=every_other_block)  # fmt: skip
+    _hopper_against_the_reference(case, index, pool_blocks(case.k_cache, case.v_cache, case.batch))
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", ["pooled-e4m3", "persistent", "dynamic", "no-overlap", "splits"])
+@pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
+def test_hopper_shift_on_every_schedule(paged_case, hand_index, monkeypatch, head_dim, variant):
+    """The FP8 pooled products, persistent CTAs (static and dynamic), the serial consumers and split-KV."""
+    kwargs = {}
+    seqlens_q, seqlens_k = [300, 0, 700], [300, 64, 2000]
+    if variant == "pooled-e4m3":
+        if head_dim == 256:
+            pytest.skip("the FP8 correction is built for 128-token tiles (not d = 256)")
+        kwargs["pooled_e4m3"] = True
+    elif variant == "persistent":
+        monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "1")
+    elif variant == "dynamic":
+        monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "dynamic")
+    elif variant == "no-overlap":
+        monkeypatch.setenv("FPV2_HOPPER_OVERLAP", "0")
+    else:
+        monkeypatch.setenv("FPV2_HOPPER_SPLITS", "3")
+        seqlens_q, seqlens_k = [64, 200], [8192, 6000]
+    case = paged_case(seqlens_q, seqlens_k, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=128,
+                      dtype=torch.bfloat16, device="cuda", q_gain=3.0, seed=head_dim + len(variant))  # fmt: skip
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128,
+                          keep=every_other_block)  # fmt: skip
+    _hopper_against_the_reference(case, index, pool_blocks(case.k_cache, case.v_cache, case.batch), **kwargs)
+
+
+@pytest.mark.hopper
+def test_hopper_refuses_a_spread_past_half_its_table(paged_case, hand_index):
+    """The spread takes half the shift table: requests past 2^19 blocks' tokens at d = 64 are refused by name."""
+    available, reason = native.hopper_available()
+    if not available or 64 not in native.hopper_head_dims():
+        pytest.skip(reason or "the library has no d = 64 instantiation")
+    seqlen = 8192 * 128 + 128  # one block past the second-order limit at d = 64 (16384 / 2 blocks)
+    case = paged_case([128], [seqlen], num_q_heads=1, num_kv_heads=1, head_dim=64, page_size=128,
+                      dtype=torch.bfloat16, device="cuda", seed=5)  # fmt: skip
+    index, _ = hand_index(case.batch, num_kv_heads=1, group=1, tile_size=128, block_size=128,
+                          keep=lambda seg: [0, *seg.diagonal_band])  # fmt: skip
+    stats = pool_blocks(case.k_cache, case.v_cache, case.batch)
+    out = torch.full_like(case.q, float("nan"))
+    native.hopper_prefill(case.q, case.k_cache, case.v_cache, out, case.batch, index=index, plan=CorrectionPlan(stats))
+    assert torch.isfinite(out).all()  # the mean correction still serves it
+    shape = stats.pooled_k.shape[:2]
+    zeros = torch.zeros(shape, device="cuda")
+    plan = CorrectionPlan(stats, key_spread=KeySpread(zeros, zeros.clone()))
+    with pytest.raises(UnsupportedConfigurationError, match="second-order mass shift marks at most 8192 blocks"):
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, out, case.batch, index=index, plan=plan)

@@ -110,7 +110,10 @@ struct ConsumerMainloop {
   // Persistent CTAs: `q_issued` says the tile's Q rows were issued by the previous call; with `has_next`,
   // this call issues the Q rows of the CTA's next tile `next_tile` once its last QK product is done (under
   // its last PV product in the overlapped schedule), so that their loads overlap this tile's end.
-  template <bool kOverlap, bool kPooledE4M3 = false, class Params, class Geometry, class Storage>
+  // kSecondOrder: the pooled tiles also get the second-order mass shift (correction_mask.hpp; the launcher
+  // sends plans with a key spread only there).
+  template <bool kOverlap, bool kPooledE4M3 = false, bool kSecondOrder = false, class Params, class Geometry,
+            class Storage>
   __device__ __forceinline__ static void run(Params const& params, Geometry const& tile, Storage& smem,
                                              int consumer_thread, typename KvPipeline<Traits::kStages>::State& state,
                                              bool q_issued = false, bool has_next = false,
@@ -175,9 +178,27 @@ struct ConsumerMainloop {
       if (params.persistent) {
         cutlass::arch::NamedBarrier::sync(Traits::kNumConsumerThreads, barrier_id(ConsumerBarrier::kPendingShifts));
       }
-      CorrectionMask<Traits>::build(smem.pending_shifts, params, schedule, pooled_base, tile.n_pooled_eligible,
-                                    log2_to_raw, consumer_thread);
+      CorrectionMask<Traits>::template build<kSecondOrder>(smem.pending_shifts, params, schedule, pooled_base,
+                                                           tile.kv_head, tile.n_pooled_eligible, log2_to_raw,
+                                                           consumer_thread);
     }
+    // The second-order shift's row coefficients, computed at the first pooled tile (Q is still in shared
+    // memory there: the next tile's rows are issued after the last QK product).
+    static_assert(!kSecondOrder || kOverlap, "the second-order shift is built into the overlapped schedule");
+    RowSpreadFactors<kRows> spread;
+    auto compute_spread_factors = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      if constexpr (kSecondOrder) {
+        CorrectionMask<Traits>::row_spread_factors(sQ, tScS_rc, 1.0f / params.inverse_softmax_scale,
+                                                   spread);
+      }
+    };
+    auto apply_pooled = [&](int n) CUTLASS_LAMBDA_FUNC_INLINE {
+      if constexpr (kSecondOrder) {
+        CorrectionMask<Traits>::apply_second_order(tSrS_rc, tScS_rc, smem.pending_shifts, n, spread);
+      } else {
+        CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_shifts, n);
+      }
+    };
 
     // One KV tile of the schedule: kMode 0 = kept block, unmasked; 1 = kept block in the diagonal band;
     // 2 = pooled tile `n` of the mean correction.
@@ -207,7 +228,7 @@ struct ConsumerMainloop {
       if constexpr (kMode == 1) {
         mask.apply(tSrS_rc, tScS_rc, n);
       } else if constexpr (kMode == 2) {
-        CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_shifts, n);
+        apply_pooled(n);
       }
       softmax.step(tSrS_rc, tOrO_rc);
 
@@ -289,9 +310,14 @@ struct ConsumerMainloop {
         if constexpr (kMode == 1) {
           mask.apply(tSrS_rc, tScS_rc, n);
         } else if constexpr (kMode >= 2 && kPooledE4M3) {
-          CorrectionMask<Traits>::apply_scaled(tSrS_rc, tScS_rc, smem.pending_shifts, n, e4m3_row_factor);
+          if constexpr (kSecondOrder) {
+            CorrectionMask<Traits>::apply_scaled_second_order(tSrS_rc, tScS_rc, smem.pending_shifts, n,
+                                                              e4m3_row_factor, spread);
+          } else {
+            CorrectionMask<Traits>::apply_scaled(tSrS_rc, tScS_rc, smem.pending_shifts, n, e4m3_row_factor);
+          }
         } else if constexpr (kMode >= 2) {
-          CorrectionMask<Traits>::apply(tSrS_rc, tScS_rc, smem.pending_shifts, n);
+          apply_pooled(n);
         }
       };
       auto issue_scores = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
@@ -393,6 +419,7 @@ struct ConsumerMainloop {
           schedule, tile,
           [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
             constexpr bool kPooled8 = kPooledE4M3 && decltype(mode)::value >= 2;
+            if constexpr (decltype(mode)::value >= 2) compute_spread_factors();
             if constexpr (kPooled8) {
               build_query_e4m3();
               issue_scores_e4m3();
@@ -422,6 +449,7 @@ struct ConsumerMainloop {
               const float to_e4m3_scale = kE4M3ProbabilityScale / e4m3_v_scale_of_tile();
               CUTE_UNROLL
               for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= to_e4m3_scale;
+              compute_spread_factors();
               build_query_e4m3();
               issue_scores_e4m3();
               await_shift_table();
@@ -433,6 +461,7 @@ struct ConsumerMainloop {
               keep_probabilities_e4m3();
               return;
             }
+            if constexpr (kMode == 3) compute_spread_factors();
             if constexpr (kPooled8) {
               issue_scores_e4m3();
             } else {

@@ -124,12 +124,18 @@ int32_t check_pooled_statistics(const fpv2_correction_plan_t& plan, const fpv2_p
     return fail(FPV2_ERROR_UNSUPPORTED,
                 format("fpv2_correction_plan_t.block_size=%d: the Hopper kernel pools 128-token blocks", plan.block_size));
   }
-  const int max_blocks = max_correction_blocks(static_cast<int>(head_dim));
+  const bool second_order = fpv2::detail::plan_has_key_spread(plan);
+  const int max_blocks = second_order ? max_second_order_blocks(static_cast<int>(head_dim))
+                                      : max_correction_blocks(static_cast<int>(head_dim));
   if (int64_t(batch.max_seqlen_k) > int64_t(max_blocks) * kKvTile) {
     return fail(FPV2_ERROR_UNSUPPORTED,
-                format("fpv2_paged_batch_t.max_seqlen_k=%d: the Hopper kernel's mean correction marks at most %d "
-                       "blocks (%lld tokens) per request at head dim d=%lld",
-                       batch.max_seqlen_k, max_blocks, ll(int64_t(max_blocks) * kKvTile), ll(head_dim)));
+                format("fpv2_paged_batch_t.max_seqlen_k=%d: the Hopper kernel's %s marks at most %d blocks (%lld "
+                       "tokens) per request at head dim d=%lld%s",
+                       batch.max_seqlen_k, second_order ? "second-order mass shift" : "mean correction", max_blocks,
+                       ll(int64_t(max_blocks) * kKvTile), ll(head_dim),
+                       second_order ? " (its key spread takes half the shift table): drop key_variance / key_radius "
+                                      "for the mean correction"
+                                    : ""));
   }
   return FPV2_OK;
 }
@@ -427,6 +433,12 @@ int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, Prefil
                 "only; unset FPV2_HOPPER_OVERLAP=0 / FPV2_HOPPER_PERSISTENT / FPV2_HOPPER_PINGPONG=1, or pass "
                 "the bf16 pooled statistics without the E4M3 copies");
   }
+  if (args.correction != nullptr && fpv2::detail::plan_has_key_spread(*args.correction) && (!overlap || persistent)) {
+    return fail(FPV2_ERROR_UNSUPPORTED,
+                "fpv2_correction_plan_t.key_variance: the second-order mass shift is built into the overlapped "
+                "consumers with one CTA per tile only; unset FPV2_HOPPER_OVERLAP=0 / FPV2_HOPPER_PERSISTENT / "
+                "FPV2_HOPPER_PINGPONG=1, or drop the key spread (mean correction)");
+  }
   // Request-major tile order by default: 4 x 128K dense 1269 -> 1027 ms, sparse + correction 59.2 -> 56.2 ms.
   int32_t request_major = 0;
   FPV2_RETURN_IF_ERROR(switch_from_environment("FPV2_HOPPER_REQUEST_MAJOR", 1, &request_major));
@@ -502,6 +514,10 @@ int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, Prefil
       plan.pooled_e4m3_rows = static_cast<int32_t>(c.pooled_k_e4m3.shape[0]);
       plan.e4m3_offsets = static_cast<const int32_t*>(c.e4m3_offsets.data);
       plan.e4m3_scales = static_cast<const float*>(c.e4m3_scales.data);
+    }
+    if (fpv2::detail::plan_has_key_spread(c)) {
+      plan.key_variance = static_cast<const float*>(c.key_variance.data);
+      plan.key_radius = static_cast<const float*>(c.key_radius.data);
     }
   }
 

@@ -66,10 +66,15 @@
 
 namespace fpv2::hopper {
 
-template <class Traits, bool kPersistent, bool kOverlap, bool kPooledE4M3 = false, bool kDynamicTiles = false>
+// kSecondOrder: the correction's second-order mass shift (correction_mask.hpp), a variant of its own so that the
+// mean correction's registers stay as they were (with a runtime switch, the default kernel's spills grew 28 ->
+// 144 bytes at d = 128); built for the overlapped consumers with one CTA per tile only.
+template <class Traits, bool kPersistent, bool kOverlap, bool kPooledE4M3 = false, bool kDynamicTiles = false,
+          bool kSecondOrder = false>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefill_kernel(__grid_constant__ const PrefillParams<Traits> params) {
   static_assert(!kPooledE4M3 || Traits::kPooledE4M3Built, "the FP8 pooled products need 128-token KV tiles");
+  static_assert(!kSecondOrder || (!kPersistent && kOverlap), "the second-order shift: one CTA per tile, overlapped");
   static_assert(!kDynamicTiles || (kPersistent && kOverlap && !kPooledE4M3),
                 "the dynamic tile queue is built for persistent CTAs with the overlapped consumers");
   static_assert(!Traits::kSplitKv || (!kPersistent && kOverlap && !kPooledE4M3),
@@ -164,10 +169,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         // consumers (consumer_mainloop.hpp waits for it at the first pooled tile).
         const BlockScheduleFor<Traits> schedule = BlockScheduleFor<Traits>::make(params, tile, Traits::kBlockN);
         if (schedule.num_correction > 0) {
-          CorrectionMask<Traits>::build_by_producer(smem.pending_shifts, params, schedule,
-                                                    params.pooled_block_offsets[tile.request], tile.n_pooled_eligible,
-                                                    CorrectionMask<Traits>::log2_to_raw(params),
-                                                    int(threadIdx.x) - 32);
+          CorrectionMask<Traits>::template build_by_producer<kSecondOrder>(
+              smem.pending_shifts, params, schedule, params.pooled_block_offsets[tile.request], tile.kv_head,
+              tile.n_pooled_eligible, CorrectionMask<Traits>::log2_to_raw(params), int(threadIdx.x) - 32);
         }
       }
     };
@@ -227,8 +231,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         k = k_next;
       }
     } else {
-      ConsumerMainloop<Traits>::template run<kOverlap, kPooledE4M3>(params, cta_tile(), smem,
-                                                                   consumer_thread, state);
+      ConsumerMainloop<Traits>::template run<kOverlap, kPooledE4M3, kSecondOrder>(params, cta_tile(), smem,
+                                                                                 consumer_thread, state);
     }
   }
 }

@@ -215,6 +215,8 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
           : nullptr,
       nullptr,  // tile_order: set below when the launcher chose the work order
       nullptr,  // tile_counter: set below for the dynamic tile queue
+      plan.key_variance,
+      plan.key_radius,
   };
 
   // The launcher sends the E4M3 copies only with the overlapped consumers, and only to the instantiations
@@ -231,8 +233,20 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
     return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
                               "fpv2 Hopper prefill: a call the split-KV instantiation does not build was sent to it");
   }
+  const bool second_order = plan.key_variance != nullptr;
+  if (second_order) {
+    if (persistent || !plan.overlap) {
+      return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
+                                "fpv2 Hopper prefill: a key spread was sent to a kernel variant that does not build "
+                                "the second-order shift");
+    }
+    kernel = prefill_kernel<Traits, false, true, false, false, true>;
+  }
   if constexpr (Traits::kPooledE4M3Built && !Traits::kSplitKv) {
-    if (pooled_e4m3) kernel = prefill_kernel<Traits, false, true, true>;
+    if (pooled_e4m3) {
+      kernel = second_order ? prefill_kernel<Traits, false, true, true, false, true>
+                            : prefill_kernel<Traits, false, true, true>;
+    }
   } else if (pooled_e4m3) {
     return fpv2::detail::fail(FPV2_ERROR_INTERNAL,
                               fpv2::detail::format("fpv2 Hopper prefill: E4M3 pooled copies sent to the d=%d "

@@ -156,6 +156,11 @@ struct PrefillParams {
   // Dynamic tile scheduler of the persistent CTAs (tile_queue.hpp): the claim counter, zeroed before the
   // launch; nullptr for the static snake order (and for one CTA per tile).
   int32_t* tile_counter;
+
+  // Second-order mass shift (fpv2.h ABI 1.5; correction_mask.hpp): the key spread of each pooled row, row-major
+  // (total_blocks, Hkv); key_variance == nullptr: the mean correction alone.
+  float const* key_variance;
+  float const* key_radius;
 };
 
 }  // namespace fpv2::hopper

@@ -13,6 +13,10 @@ namespace fpv2::hopper {
 // requests when the correction is on.
 constexpr int max_correction_blocks(int head_dim) { return head_dim == 256 ? 8192 : 16384; }
 
+// With the second-order mass shift the table's upper half holds each row's key spread (two 16-bit values), so
+// a tile covers half as many pooled rows (2^20 tokens up to d = 128, 2^19 at d = 256).
+constexpr int max_second_order_blocks(int head_dim) { return max_correction_blocks(head_dim) / 2; }
+
 // KV tokens per K/V tile of the instantiation for `head_dim` (PrefillTraits::kBlockN): the whole 128-token
 // block up to d = 128, half of it at d = 256, where the consumers' registers hold 128 fp32 accumulators of
 // O and a 128-token tile's scores would not fit beside them (prefill_traits.hpp).
@@ -80,6 +84,9 @@ struct PrefillPlan {
   int32_t pooled_e4m3_rows;
   const int32_t* e4m3_offsets;  // (B+1,)
   const float* e4m3_scales;     // (B, Hkv, 2)
+  // Optional key spread (fpv2.h, ABI 1.5): the second-order mass shift; key_variance == nullptr: mean only.
+  const float* key_variance;  // (total_blocks, Hkv)
+  const float* key_radius;    // (total_blocks, Hkv)
 
   int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (measured, not faster)
   // FPV2_HOPPER_PERSISTENT: 0 (default), 1 = persistent CTAs in the static snake order, 2 ("dynamic") = the

@@ -145,12 +145,37 @@ int32_t check_plan_struct(const fpv2_correction_plan_t* plan, const char* role) 
 }
 
 bool plan_has_e4m3(const fpv2_correction_plan_t& plan) {
-  if (plan.struct_size < sizeof(fpv2_correction_plan_t)) return false;
+  if (plan.struct_size < FPV2_CORRECTION_PLAN_SIZE_V1_2) return false;
   return !is_absent(plan.pooled_k_e4m3) || !is_absent(plan.pooled_vt_e4m3) || !is_absent(plan.e4m3_offsets) ||
          !is_absent(plan.e4m3_scales);
 }
 
+bool plan_has_key_spread(const fpv2_correction_plan_t& plan) {
+  if (plan.struct_size < sizeof(fpv2_correction_plan_t)) return false;
+  return !is_absent(plan.key_variance) || !is_absent(plan.key_radius);
+}
+
 namespace {
+
+// The key spread of the second-order mass shift (fpv2.h, ABI 1.5): both tensors, one F32 value per pooled row
+// and KV head.
+int32_t validate_plan_key_spread(const fpv2_correction_plan_t& p) {
+  if (is_absent(p.key_variance) || is_absent(p.key_radius)) {
+    return fail(FPV2_ERROR_INVALID_ARGUMENT,
+                format("fpv2_correction_plan_t: key_variance and key_radius come together (both present or both "
+                       "absent); got key_variance %s, key_radius %s",
+                       describe(p.key_variance).c_str(), describe(p.key_radius).c_str()));
+  }
+  const int64_t total_blocks = p.pooled_k.shape[0], hkv = p.pooled_k.shape[1];
+  for (const fpv2_tensor_t* t : {&p.key_variance, &p.key_radius}) {
+    const char* name =
+        t == &p.key_variance ? "fpv2_correction_plan_t.key_variance" : "fpv2_correction_plan_t.key_radius";
+    FPV2_RETURN_IF_ERROR(check_required(*t, name, {FPV2_DTYPE_F32}, 2));
+    FPV2_RETURN_IF_ERROR(check_shape(*t, name, {total_blocks, hkv}, "pooled_k's (total_blocks, Hkv)"));
+    FPV2_RETURN_IF_ERROR(check_contiguous(*t, name));
+  }
+  return FPV2_OK;
+}
 
 // The E4M3 copies (fpv2.h, ABI 1.2): all four tensors, shapes consistent with the F32/BF16 statistics.
 int32_t validate_plan_e4m3(const fpv2_correction_plan_t& p, const fpv2_paged_batch_t& batch) {
@@ -255,6 +280,9 @@ int32_t validate_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch
   }
   if (plan_has_e4m3(p)) {
     FPV2_RETURN_IF_ERROR(validate_plan_e4m3(p, batch));
+  }
+  if (plan_has_key_spread(p)) {
+    FPV2_RETURN_IF_ERROR(validate_plan_key_spread(p));
   }
   return FPV2_OK;
 }

@@ -44,6 +44,10 @@ int32_t check_plan_struct(const fpv2_correction_plan_t* plan, const char* role);
 // none; its tail is not read).
 bool plan_has_e4m3(const fpv2_correction_plan_t& plan);
 
+// Whether the plan carries the ABI 1.5 key spread of the second-order mass shift (a struct of an older size
+// has none; its tail is not read).
+bool plan_has_key_spread(const fpv2_correction_plan_t& plan);
+
 // A correction plan against an already validated batch.
 int32_t validate_plan(const fpv2_correction_plan_t* plan, const fpv2_paged_batch_t& batch);
 

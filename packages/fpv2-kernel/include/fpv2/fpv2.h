@@ -27,7 +27,7 @@
 #include <stdint.h>
 
 #define FPV2_ABI_VERSION_MAJOR 1
-#define FPV2_ABI_VERSION_MINOR 4
+#define FPV2_ABI_VERSION_MINOR 5
 
 #if defined(_WIN32)
 #define FPV2_API
@@ -143,7 +143,15 @@ typedef struct fpv2_block_index_t {
  * accumulator registers are reused as the A operand of the P x V product: slot 4t + i holds block
  * 2t + i (i < 2) or 8 + 2t + i - 2 (i >= 2). Values are e4m3 x scale (e4m3_scales[b][h][0] for K,
  * [1] for V). A struct_size of the ABI 1.1 struct (FPV2_CORRECTION_PLAN_SIZE_V1_1) is accepted: the
- * E4M3 copies are then absent. */
+ * E4M3 copies are then absent.
+ *
+ * Since ABI 1.5, an optional key spread (key_variance and key_radius, both or neither) asks for the
+ * second-order mass shift: pooled block J of KV head h then gains, besides log|B_J|, the logit
+ * min(scale^2 |q|^2 key_variance[J][h] / 2, scale |q| key_radius[J][h]) for query row q in real units
+ * (fpv2.kernel.reference.mass_shift). The Hopper kernel keeps two 16-bit values per pooled row beside its
+ * shift table, so it serves requests of at most half the blocks it marks without the spread (refused
+ * with FPV2_ERROR_UNSUPPORTED beyond). A struct_size of the ABI 1.2 struct
+ * (FPV2_CORRECTION_PLAN_SIZE_V1_2) is accepted: the spread is then absent. */
 #define FPV2_E4M3_SLOT(J) \
   (((J) & ~15) + (((J) & 15) < 8 ? 4 * (((J) & 15) >> 1) + ((J) & 1) : 4 * ((((J) & 15) - 8) >> 1) + 2 + ((J) & 1)))
 #define FPV2_CORRECTION_CHUNK 64
@@ -164,10 +172,15 @@ typedef struct fpv2_correction_plan_t {
   fpv2_tensor_t pooled_vt_e4m3; /* (Hkv, d, rows) E4M3, contiguous */
   fpv2_tensor_t e4m3_offsets;   /* (B+1,) I32, contiguous, multiples of 16 */
   fpv2_tensor_t e4m3_scales;    /* (B, Hkv, 2) F32, contiguous: K scale, V scale */
+  /* ABI 1.5: optional key spread of the second-order mass shift (see above); both present or both absent. */
+  fpv2_tensor_t key_variance;   /* (total_blocks, Hkv) F32, contiguous: per-dimension key variance */
+  fpv2_tensor_t key_radius;     /* (total_blocks, Hkv) F32, contiguous: largest key distance from the mean */
 } fpv2_correction_plan_t;
 
 /* sizeof(fpv2_correction_plan_t) in ABI 1.1 (before the E4M3 copies). */
 #define FPV2_CORRECTION_PLAN_SIZE_V1_1 ((uint32_t)offsetof(fpv2_correction_plan_t, pooled_k_e4m3))
+/* sizeof(fpv2_correction_plan_t) in ABI 1.2 to 1.4 (before the key spread). */
+#define FPV2_CORRECTION_PLAN_SIZE_V1_2 ((uint32_t)offsetof(fpv2_correction_plan_t, key_variance))
 
 /* ------------------------------------------------------------------------------------------------
  * Arguments of one prefill call. */

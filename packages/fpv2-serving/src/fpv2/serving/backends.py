@@ -255,8 +255,9 @@ class HopperBackend:
     name = "hopper"
     #: The kernel marks the kept blocks of each tile itself; it needs no todo bitmasks.
     derives_todo = True
-    #: The C ABI's plan carries no key spread: the mean shift only (others are refused by name).
-    mass_shifts = ("mean",)
+    #: Both shifts: the C ABI's plan carries the key spread since ABI 1.5 (the kernel then serves requests of up
+    #: to 2^20 tokens, 2^19 at d = 256, and refuses longer ones by name).
+    mass_shifts = ("mean", "second_order")
     #: Page-size multiple and block size of the kernel's TMA path (its KV tile is the contracts' key block).
     kv_tile = BLOCK_SIZE
     #: The loaded library's built head dims, read on the first ``serves`` (None until then).

@@ -86,7 +86,8 @@ class SparsePrefillPipeline:
         mass_shift: the pooled terms' logit shift, ``"mean"`` (``log |B_J|``) or
             ``"second_order"`` (also the block's key spread, one more pass over the keys per
             call; see :mod:`fpv2.kernel.reference.mass_shift`). Backends list what they apply
-            in ``mass_shifts``; ``auto`` runs second-order plans on its portable kernel.
+            in ``mass_shifts``; ``auto`` runs second-order plans where they are applied (the Hopper
+            kernel, else the portable one).
         backend: ``"auto"``, a backend name, or a backend object (see
             :func:`fpv2.serving.backends.resolve_backend`).
         check_index: re-check on the device that the index fits the batch (tile offsets,
@@ -138,7 +139,7 @@ class SparsePrefillPipeline:
             if mass_shift not in applied:
                 raise ValueError(
                     f"backend {self.backend.name!r} applies mass_shift {', '.join(map(repr, applied))} only; "
-                    f"got {mass_shift!r} (the triton and reference backends apply it, and auto routes to them)"
+                    f"got {mass_shift!r} (the hopper, triton and reference backends apply it, and auto routes to them)"
                 )
         self.mass_shift = mass_shift
 
@@ -155,8 +156,9 @@ class SparsePrefillPipeline:
         offer = getattr(self.backend, "tile_copies_for", None)
         if not callable(offer) or self.config.block_size != BLOCK_SIZE or not use_triton_index(q):
             return None
-        if self.mass_shift != "mean":
-            return None  # the backends that take tile pages (Hopper) apply the mean shift only: the call goes past them
+        taker = getattr(self.backend, "primary", self.backend)  # an auto backend offers its primary's pages
+        if self.mass_shift not in getattr(taker, "mass_shifts", ("mean",)):
+            return None  # the call goes past the backend that would read the pages
         return offer(q, k_cache, v_cache, batch)
 
     def __call__(

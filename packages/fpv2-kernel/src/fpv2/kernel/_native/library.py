@@ -23,8 +23,9 @@ from .structs import BlockIndexStruct, CorrectionPlanStruct, PagedBatchStruct, P
 ABI_VERSION_MAJOR = 1
 #: ABI minor version this binding needs at least (minor versions only append). 1.2 added the correction
 #: plan's E4M3 copies: a 1.1 library would ignore them (and refuse the float32 pooled statistics sent
-#: with them) with a misleading message, so it is refused on load instead.
-ABI_VERSION_MINOR = 4
+#: with them) with a misleading message, so it is refused on load instead; likewise 1.5 added the key
+#: spread of the second-order mass shift, which an older library would drop (running the mean correction).
+ABI_VERSION_MINOR = 5
 #: Environment variable naming the library file to load instead of the packaged one.
 LIBRARY_ENV = "FPV2_KERNEL_LIBRARY"
 #: File name of the library.

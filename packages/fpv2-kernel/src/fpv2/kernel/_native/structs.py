@@ -19,7 +19,6 @@ import torch
 from ..contracts import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch
 from ..reference.pooled_e4m3 import PooledE4M3
 from .codes import MAX_NDIM, PREFILL_CAUSAL, DType
-from .errors import UnsupportedConfigurationError
 
 #: torch dtype -> ``fpv2_dtype_t`` code: the one table of the binding.
 TORCH_TO_DTYPE: dict[torch.dtype, DType] = {
@@ -104,11 +103,16 @@ class CorrectionPlanStruct(ctypes.Structure):
         ("pooled_vt_e4m3", TensorDesc),
         ("e4m3_offsets", TensorDesc),
         ("e4m3_scales", TensorDesc),
+        # ABI 1.5: the optional key spread of the second-order mass shift (both or neither).
+        ("key_variance", TensorDesc),
+        ("key_radius", TensorDesc),
     ]
 
 
 #: ``FPV2_CORRECTION_PLAN_SIZE_V1_1``: the plan's size before the E4M3 copies, which libraries still accept.
 CORRECTION_PLAN_SIZE_V1_1: int = CorrectionPlanStruct.pooled_k_e4m3.offset
+#: ``FPV2_CORRECTION_PLAN_SIZE_V1_2``: the plan's size before the key spread (ABI 1.2 to 1.4), still accepted.
+CORRECTION_PLAN_SIZE_V1_2: int = CorrectionPlanStruct.key_variance.offset
 
 
 class PrefillArgsStruct(ctypes.Structure):
@@ -340,21 +344,17 @@ def correction_plan_struct(
     Raises:
         TypeError: ``plan`` is not a :class:`CorrectionPlan`, ``pooled_e4m3`` not a
             :class:`~fpv2.kernel.reference.pooled_e4m3.PooledE4M3`, or a tensor the ABI cannot describe.
-        UnsupportedConfigurationError: the plan asks for the second-order mass shift (a
-            ``key_spread``), which the struct cannot carry.
+
+    A plan with a ``key_spread`` (the second-order mass shift) fills ``key_variance`` /
+    ``key_radius`` (ABI 1.5); the binding loads only libraries of that ABI or later, so the
+    spread is never dropped silently.
     """
     if not isinstance(plan, CorrectionPlan):
         raise TypeError(f"plan must be a CorrectionPlan, got {type(plan).__name__}")
-    if plan.key_spread is not None:
-        # Dropping the spread would run the mean correction silently: refuse by name instead.
-        raise UnsupportedConfigurationError(
-            "plan.key_spread: the native kernel applies the mean correction only (plan.mass_shift 'mean'); "
-            "a plan with the second-order mass shift runs on the Triton kernel (sparse_attention_triton) or the "
-            "reference"
-        )
     if pooled_e4m3 is not None and not isinstance(pooled_e4m3, PooledE4M3):
         raise TypeError(f"pooled_e4m3 must be a PooledE4M3 or None, got {type(pooled_e4m3).__name__}")
     stats = plan.statistics
+    spread = plan.key_spread
     pooled_k, pooled_v = stats.pooled_k, stats.pooled_v
     if pooled_dtype is not None and pooled_e4m3 is None:
         pooled_k, pooled_v = _pooled_as(stats, pooled_dtype)
@@ -377,6 +377,8 @@ def correction_plan_struct(
         pooled_vt_e4m3=tensor_desc(e4m3[1], "pooled_e4m3.vt"),
         e4m3_offsets=tensor_desc(e4m3[2], "pooled_e4m3.offsets"),
         e4m3_scales=tensor_desc(e4m3[3], "pooled_e4m3.scales"),
+        key_variance=tensor_desc(spread.variance if spread else None, "plan.key_spread.variance"),
+        key_radius=tensor_desc(spread.radius if spread else None, "plan.key_spread.radius"),
     )
     _keep_alive(struct, [plan, pooled_k, pooled_v, pooled_e4m3])
     return struct
