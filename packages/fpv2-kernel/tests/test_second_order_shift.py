@@ -370,22 +370,16 @@ def test_hopper_shift_against_the_reference(paged_case, hand_index, head_dim, gr
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", ["pooled-e4m3", "persistent", "dynamic", "no-overlap", "splits"])
+@pytest.mark.parametrize("variant", ["pooled-e4m3", "splits"])
 @pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
-def test_hopper_shift_on_every_schedule(paged_case, hand_index, monkeypatch, head_dim, variant):
-    """The FP8 pooled products, persistent CTAs (static and dynamic), the serial consumers and split-KV."""
+def test_hopper_shift_with_fp8_pooled_products_and_split_kv(paged_case, hand_index, monkeypatch, head_dim, variant):
+    """The FP8 pooled products (the scaled shift) and split-KV (rows counted from the split's first pooled row)."""
     kwargs = {}
     seqlens_q, seqlens_k = [300, 0, 700], [300, 64, 2000]
     if variant == "pooled-e4m3":
         if head_dim == 256:
             pytest.skip("the FP8 correction is built for 128-token tiles (not d = 256)")
         kwargs["pooled_e4m3"] = True
-    elif variant == "persistent":
-        monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "1")
-    elif variant == "dynamic":
-        monkeypatch.setenv("FPV2_HOPPER_PERSISTENT", "dynamic")
-    elif variant == "no-overlap":
-        monkeypatch.setenv("FPV2_HOPPER_OVERLAP", "0")
     else:
         monkeypatch.setenv("FPV2_HOPPER_SPLITS", "3")
         seqlens_q, seqlens_k = [64, 200], [8192, 6000]
@@ -394,6 +388,28 @@ def test_hopper_shift_on_every_schedule(paged_case, hand_index, monkeypatch, hea
     index, _ = hand_index(case.batch, num_kv_heads=2, group=4, tile_size=128, block_size=128,
                           keep=every_other_block)  # fmt: skip
     _hopper_against_the_reference(case, index, pool_blocks(case.k_cache, case.v_cache, case.batch), **kwargs)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize(
+    "setting",
+    [("FPV2_HOPPER_PERSISTENT", "1"), ("FPV2_HOPPER_PERSISTENT", "dynamic"), ("FPV2_HOPPER_OVERLAP", "0")],
+)
+def test_hopper_refuses_the_shift_on_the_opt_in_schedules(paged_case, hand_index, monkeypatch, setting):
+    """Persistent CTAs and the serial consumers do not build the shift: refused by name, never the mean alone."""
+    available, reason = native.hopper_available()
+    if not available:
+        pytest.skip(reason)
+    monkeypatch.setenv(*setting)
+    case = paged_case(SEQLENS_Q, SEQLENS_K, num_q_heads=4, num_kv_heads=2, head_dim=HOPPER_HEAD_DIMS[0],
+                      page_size=128, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=2, tile_size=128, block_size=128, keep=every_other_block)
+    stats = pool_blocks(case.k_cache, case.v_cache, case.batch)
+    out = torch.full_like(case.q, float("nan"))
+    native.hopper_prefill(case.q, case.k_cache, case.v_cache, out, case.batch, index=index, plan=CorrectionPlan(stats))
+    with pytest.raises(UnsupportedConfigurationError, match="built into the overlapped consumers with one CTA"):
+        plan = CorrectionPlan(stats, key_spread=key_spread_of(case, stats))
+        native.hopper_prefill(case.q, case.k_cache, case.v_cache, out, case.batch, index=index, plan=plan)
 
 
 @pytest.mark.hopper

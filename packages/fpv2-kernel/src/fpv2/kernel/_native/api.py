@@ -160,7 +160,9 @@ def hopper_prefill(
         out: ``(total_q, Hq, d)`` output, written in place (bf16 for FP8 inputs).
         batch: the batch metadata.
         index: kept blocks per tile; None for dense causal attention.
-        plan: the mean-correction plan (needs ``index``); None for none.
+        plan: the correction plan (needs ``index``); None for none. A plan with a
+            ``key_spread`` gets the second-order mass shift (C ABI 1.5; requests of up to
+            2^20 tokens, 2^19 at d=256; refused on the opt-in persistent and serial schedules).
         lse: optional ``(total_q, Hq) float32`` log-sum-exp output.
         q_descale, k_descale, v_descale: ``(B, Hkv) float32``, required for FP8 inputs.
         softmax_scale: score scale; 0 selects ``1/sqrt(d)``.
