@@ -182,3 +182,35 @@ def test_the_dynamic_tile_queue_has_its_own_budget(tmp_path: Path) -> None:
     result = _run(tmp_path, _report((8, 4, 4), (8, 12, 12)) + _dynamic_entry(128, 8, 24, 24))
     assert result.returncode == 1
     assert "d=128 (persistent, dynamic tile queue, overlapped consumers)" in result.stdout
+
+
+def _second_order_entry(
+    head_dim: int, stack: int, spill: int, *, pooled_e4m3: bool = False, split: bool = False
+) -> str:
+    """The second-order shift's instantiations: flags (0, 1, pooled e4m3, 0, 1), on split-KV traits or not."""
+    entry = _ENTRY.format(head_dim=head_dim, stages=2, persistent=0, overlap=1, stack=stack, stores=spill, loads=spill)
+    entry = entry.replace("Lb0ELb1EEEvNS0_", f"Lb0ELb1ELb{int(pooled_e4m3)}ELb0ELb1EEEvNS0_")
+    return entry.replace("ELi2EEE", "ELi2ELb1EEE") if split else entry
+
+
+def test_the_second_order_shift_has_its_own_budgets(tmp_path: Path) -> None:
+    # Named from its fifth flag (not as the mean correction's overlapped build, whose budget is smaller): the
+    # measured frames pass, more fails under the variant's own name; the split-KV traits keep the flag apart too.
+    base = _report((8, 4, 4), (8, 12, 12))
+    measured = (
+        _second_order_entry(128, 64, 68)
+        + _second_order_entry(128, 128, 192, pooled_e4m3=True)
+        + _second_order_entry(128, 64, 136, split=True)
+        + _second_order_entry(64, 0, 0)
+    )
+    result = _run(tmp_path, base + measured)
+    assert result.returncode == 0, result.stdout
+    assert "d=128 overlap-second-order instantiation (2 stages): 64 B stack, 68 / 68" in result.stdout
+    assert "d=128 split-second-order instantiation (2 stages): 64 B stack, 136 / 136" in result.stdout
+    result = _run(tmp_path, base + _second_order_entry(128, 64, 100))
+    assert result.returncode == 1
+    assert "FAIL: prefill_kernel d=128 (overlapped consumers, second-order shift): 64 bytes" in result.stdout
+    result = _run(tmp_path, base + _second_order_entry(64, 32, 44, pooled_e4m3=True))
+    assert result.returncode == 0, result.stdout
+    result = _run(tmp_path, base + _second_order_entry(64, 32, 44))
+    assert result.returncode == 1 and "d=64 (overlapped consumers, second-order shift)" in result.stdout

@@ -35,6 +35,9 @@ VARIANT_BUDGETS = {
     "overlap": (16, 8),
     "overlap-e4m3": (16, 8),
     "split": (16, 8),
+    "overlap-second-order": (16, 8),
+    "overlap-e4m3-second-order": (16, 8),
+    "split-second-order": (16, 8),
 }
 #: ... except where a measured instantiation needs its own. Measured with nvcc 13.0 at producer / consumer
 #: registers 32 / 232 (benchmarks/NOTES.md, 2026-12-01, third session): 0 / 0 everywhere but the d=128
@@ -71,7 +74,19 @@ VARIANT_BUDGETS = {
 #: producer's lane rows re-read from %laneid at each use): every d=64 instantiation 0 / 0; d=256 one CTA per
 #: tile 0 / 0 (8 B, 4 / 4 B before), split 56 B, 100 / 104 B (96 B, 320 / 352 B), overlapped 64 B, 60 / 68 B
 #: (56 B, 56 / 64 B); d=128 split 32 B, 52 / 56 B (64 B, 104 / 108 B); the others as they were.
+#: The second-order mass shift (fifth flag, opt-in with a plan's key spread; 2026-12-05, twenty-third session),
+#: built for the one-CTA-per-tile overlapped consumers only: d=64 0 / 0 (FP8 pooled products 32 B stack, 28 / 44
+#: B), d=128 64 B, 60 / 68 B (FP8 pooled 128 B, 176 / 192 B; split 64 B, 112 / 136 B), d=256 440 B, 644 / 652 B
+#: (split 432 B, 676 / 700 B): the per-row coefficients and the spread loads on top of the mean correction's
+#: state, in the pooled-tile loop; not yet timed. With a runtime switch instead of the flag the mean kernels
+#: spilled more too (d=128 overlapped 144 / 152 B); with the flag they are as before.
 BUDGET_EXCEPTIONS = {
+    (64, "overlap-e4m3-second-order"): (32, 44),
+    (128, "overlap-second-order"): (64, 68),
+    (128, "overlap-e4m3-second-order"): (128, 192),
+    (128, "split-second-order"): (64, 136),
+    (256, "overlap-second-order"): (440, 652),
+    (256, "split-second-order"): (432, 700),
     (128, "overlap"): (32, 40),
     (128, "overlap-e4m3"): (80, 100),
     (256, "overlap"): (64, 68),
@@ -85,7 +100,7 @@ BUDGETS = {
     (head_dim, variant): BUDGET_EXCEPTIONS.get((head_dim, variant), budget)
     for head_dim in (64, 128, 256)
     for variant, budget in VARIANT_BUDGETS.items()
-    if not (head_dim == 256 and variant == "overlap-e4m3")
+    if not (head_dim == 256 and variant.startswith("overlap-e4m3"))
 }
 
 # Itanium mangling of the bool template arguments: Lb0E (false) / Lb1E (true), in declaration order.
@@ -101,6 +116,9 @@ _KINDS = {
     "overlap": "overlapped consumers",
     "overlap-e4m3": "overlapped consumers, FP8 pooled products",
     "split": "split-KV, overlapped consumers",
+    "overlap-second-order": "overlapped consumers, second-order shift",
+    "overlap-e4m3-second-order": "overlapped consumers, FP8 pooled products, second-order shift",
+    "split-second-order": "split-KV, overlapped consumers, second-order shift",
 }
 
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']*prefill_kernel[^']*)'")
@@ -129,14 +147,17 @@ class KernelReport:
 
 def _variant(name: str) -> str:
     """The instantiation's name in BUDGETS, from its template flags (persistent, overlap, pooled e4m3, dynamic
-    tile queue) and the traits' split-KV flag."""
+    tile queue, second-order shift) and the traits' split-KV flag."""
     traits = _TRAITS.search(name)
+    split = traits is not None and traits.group("split") == "1"
     if traits is not None:
-        if traits.group("split") == "1":
-            return "split"
         name = name[: traits.start()] + name[traits.end() :]  # the kernel's own flags follow the traits
     flags = [flag == "1" for flag in _FLAGS.findall(name)]
-    persistent, overlap, pooled_e4m3, dynamic_tiles = [*flags, False, False, False, False][:4]
+    persistent, overlap, pooled_e4m3, dynamic_tiles, second_order = [*flags, *[False] * 5][:5]
+    if split:
+        return "split-second-order" if second_order else "split"
+    if second_order:
+        return "overlap-e4m3-second-order" if pooled_e4m3 else "overlap-second-order"
     if persistent and dynamic_tiles:
         return "persistent-dynamic"
     if persistent:
