@@ -11,6 +11,10 @@
 #                                                        page 1, alpha 0.1 / 0.2 / 0.4, the correction off, mean and
 #                                                        second order, on the Hopper backend: 1 x 128K and 1 x 32K;
 #                                                        the planted 1 x 128K and 4 x 128K rows (auto, alpha 0.1)
+#   benchmarks/hopper_second_order_device_run.sh check   the FP8 pooled and split-KV shift tests again (their errors
+#                                                        printed), then compute-sanitizer memcheck on four shift
+#                                                        cases (gather, TMA, FP8 pooled, split-KV; the fpv2 kernels
+#                                                        only) and racecheck on two
 #
 # Predictions (written before the run):
 # - tests pass.
@@ -50,4 +54,22 @@ if [ "$PART" = bench ]; then
     "${SHIFTS[@]}" "${ALPHAS[@]}"
   bench_row 1 131072 bench-128k-planted-auto 200 --page-size 1 "${SHIFTS[@]}"
   bench_row 4 131072 bench-4x128k-planted-auto 300 --page-size 1 --mass-shift mean --mass-shift second_order
+fi
+
+if [ "$PART" = check ]; then
+  SO=packages/fpv2-kernel/tests/test_second_order_shift.py
+  gpu_tests fp8-and-splits 200 "$SO" -s -k test_hopper_shift_with_fp8_pooled_products_and_split_kv
+  grep "^hopper shift" "$LOGS/pytest-fp8-and-splits.log" | cut -c1-250
+  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  CASES=("$SO::test_hopper_shift_against_the_reference[128-4-1]" "$SO::test_hopper_shift_against_the_reference[128-4-128]"
+    "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-pooled-e4m3]"
+    "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-splits]")
+  # Only the project's kernels are instrumented (kns: a substring of the mangled name).
+  with_packages timeout 240 "$SAN" --tool memcheck --error-exitcode 3 --kernel-name kns=fpv2 \
+    python3 -m pytest -p no:cacheprovider -q "${CASES[@]}" > "$LOGS/memcheck.log" 2>&1
+  echo "memcheck: rc=$? $(grep -E "ERROR SUMMARY|passed|failed" "$LOGS/memcheck.log" | tr '\n' ' ' | cut -c1-200)"
+  with_packages timeout 200 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 3 --kernel-name kns=fpv2 \
+    python3 -m pytest -p no:cacheprovider -q "${CASES[0]}" "${CASES[3]}" > "$LOGS/racecheck.log" 2>&1
+  echo "racecheck: rc=$? $(grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$LOGS/racecheck.log" | tr '\n' ' ' | cut -c1-200)"
+  grep -E "Race reported|Error|hazard" "$LOGS/racecheck.log" | sort | uniq -c | sort -rn | head -8 | cut -c1-200
 fi

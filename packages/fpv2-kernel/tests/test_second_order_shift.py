@@ -317,17 +317,24 @@ def test_gpu_bf16_shift_against_the_reference(paged_case, hand_index, group, pag
 
 
 # --------------------------------------------------------------------------- Hopper kernel
+#: Largest |lse - reference lse| of the bf16 pooled products, and of the FP8 ones: there the query and the pooled
+#: keys are each rounded to e4m3 (3 mantissa bits, relative step 2^-3) before their product, so a pooled score of a
+#: few units moves by a few hundredths (measured on the H200: up to 0.030 at d 64 / 128 with q_gain 3).
+LSE_ATOL = {False: 2e-2, True: 6e-2}
+
+
 def _hopper_against_the_reference(case, index, stats, **kwargs) -> None:
     """The Hopper kernel with and without the shift, on NaN-poisoned outputs, against the fp64 reference.
 
     The shifted kernel must sit as close to the shifted reference as the mean-only kernel sits to its own
-    reference, while the shift moves the reference by far more than that (so that dropping it fails).
+    reference (output and lse), while the shift moves the reference by far more than that (so that dropping it
+    fails).
     """
     available, reason = native.hopper_available()
     if not available:
         pytest.skip(reason)
     spread = key_spread_of(case, stats)
-    errors, refs = {}, {}
+    errors, lse_errors, refs = {}, {}, {}
     for name, plan in (("mean", CorrectionPlan(stats)), ("second", CorrectionPlan(stats, key_spread=spread))):
         lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
         got = native.hopper_prefill(case.q, case.k_cache, case.v_cache, torch.full_like(case.q, float("nan")),
@@ -335,10 +342,14 @@ def _hopper_against_the_reference(case, index, stats, **kwargs) -> None:
         want, want_lse = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan,
                                           compute_dtype=F64, return_lse=True)  # fmt: skip
         assert torch.isfinite(got).all(), f"{name}: rows left unwritten (NaN poison) or non-finite output"
-        torch.testing.assert_close(lse.double(), want_lse.double(), rtol=0.0, atol=2e-2)
+        assert torch.isfinite(lse).all(), f"{name}: lse rows left unwritten (NaN poison)"
         errors[name] = float((got.double() - want).norm() / want.norm())
+        lse_errors[name] = float((lse.double() - want_lse.double()).abs().max())
         refs[name] = want
     moved = float((refs["second"] - refs["mean"]).norm() / refs["second"].norm())
+    print(f"hopper shift {kwargs}: output error {errors}, lse error {lse_errors}, shift moves {moved:.4f}")
+    assert max(lse_errors.values()) <= LSE_ATOL[bool(kwargs.get("pooled_e4m3"))], lse_errors
+    assert lse_errors["second"] <= 1.5 * lse_errors["mean"] + 5e-3, lse_errors
     assert errors["second"] < 1.5 * errors["mean"] + 1e-3, errors
     assert moved > 5 * errors["second"], (moved, errors)
 
