@@ -15,6 +15,9 @@
 #                                                        printed), then compute-sanitizer memcheck on four shift
 #                                                        cases (gather, TMA, FP8 pooled, split-KV; the fpv2 kernels
 #                                                        only) and racecheck on two
+#   benchmarks/hopper_second_order_device_run.sh ncu     Nsight Compute on the three attention kernels of one 32K
+#                                                        drifting call (correction off, mean, second order; same
+#                                                        index): instructions per pipe, issue slots, local memory
 #
 # Predictions (written before the run):
 # - tests pass.
@@ -58,18 +61,34 @@ fi
 
 if [ "$PART" = check ]; then
   SO=packages/fpv2-kernel/tests/test_second_order_shift.py
-  gpu_tests fp8-and-splits 200 "$SO" -s -k test_hopper_shift_with_fp8_pooled_products_and_split_kv
+  gpu_tests fp8-and-splits 120 "$SO" -s -k test_hopper_shift_with_fp8_pooled_products_and_split_kv
   grep "^hopper shift" "$LOGS/pytest-fp8-and-splits.log" | cut -c1-250
   SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
   CASES=("$SO::test_hopper_shift_against_the_reference[128-4-1]" "$SO::test_hopper_shift_against_the_reference[128-4-128]"
     "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-pooled-e4m3]"
     "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-splits]")
   # Only the project's kernels are instrumented (kns: a substring of the mangled name).
-  with_packages timeout 240 "$SAN" --tool memcheck --error-exitcode 3 --kernel-name kns=fpv2 \
+  with_packages timeout 200 "$SAN" --tool memcheck --error-exitcode 3 --kernel-name kns=fpv2 \
     python3 -m pytest -p no:cacheprovider -q "${CASES[@]}" > "$LOGS/memcheck.log" 2>&1
   echo "memcheck: rc=$? $(grep -E "ERROR SUMMARY|passed|failed" "$LOGS/memcheck.log" | tr '\n' ' ' | cut -c1-200)"
-  with_packages timeout 200 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 3 --kernel-name kns=fpv2 \
+  with_packages timeout 150 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 3 --kernel-name kns=fpv2 \
     python3 -m pytest -p no:cacheprovider -q "${CASES[0]}" "${CASES[3]}" > "$LOGS/racecheck.log" 2>&1
   echo "racecheck: rc=$? $(grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$LOGS/racecheck.log" | tr '\n' ' ' | cut -c1-200)"
   grep -E "Race reported|Error|hazard" "$LOGS/racecheck.log" | sort | uniq -c | sort -rn | head -8 | cut -c1-200
+fi
+
+if [ "$PART" = ncu ]; then
+  NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  METRICS=gpu__time_duration.sum,sm__inst_executed.sum,sm__instruction_throughput.avg.pct_of_peak_sustained_active
+  METRICS+=,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active
+  METRICS+=,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active
+  METRICS+=,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+  METRICS+=,smsp__sass_inst_executed_op_local_ld.sum,smsp__sass_inst_executed_op_local_st.sum
+  with_packages timeout 150 "$NCU" --clock-control none --profile-from-start off --kernel-name regex:prefill_kernel \
+    --csv --metrics "$METRICS" python3 benchmarks/shift_cost_probe.py --seqlen 32768 --drift-tokens 256 \
+    > "$RESULTS/ncu-32k-drifting.csv" 2> "$LOGS/ncu.err"
+  echo "ncu: rc=$?"
+  grep -v "^==" "$RESULTS/ncu-32k-drifting.csv" | grep -v "^profiled" |
+    awk -F'","' 'NR>1 {print $1" | "$(NF-2)" | "$(NF-1)" | "$NF}' | sed 's/"//g' | cut -c1-160
+  tail -3 "$LOGS/ncu.err"
 fi
