@@ -15,6 +15,12 @@
 #                                                        printed), then compute-sanitizer memcheck on four shift
 #                                                        cases (gather, TMA, FP8 pooled, split-KV; the fpv2 kernels
 #                                                        only) and racecheck on two
+#   benchmarks/hopper_second_order_device_run.sh ab      the GPU tests on the library in SCORE_BIN, then whole calls
+#                                                        timed per mode (shift_cost_probe.py --repeats 20: off,
+#                                                        mean, second order) at 128K / 32K drifting and 128K
+#                                                        planted, page 1, two rounds of BASE_BIN then SCORE_BIN;
+#                                                        racecheck of two shift cases, reports counted by kernel
+#                                                        and site
 #   benchmarks/hopper_second_order_device_run.sh ncu     Nsight Compute on the three attention kernels of one 32K
 #                                                        drifting call (correction off, mean, second order; same
 #                                                        index): instructions per pipe, issue slots, local memory
@@ -68,10 +74,10 @@ if [ "$PART" = check ]; then
     "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-pooled-e4m3]"
     "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-splits]")
   # Only the project's kernels are instrumented (kns: a substring of the mangled name).
-  with_packages timeout 200 "$SAN" --tool memcheck --error-exitcode 3 --kernel-name kns=fpv2 \
+  with_packages timeout 180 "$SAN" --tool memcheck --error-exitcode 3 --kernel-name kns=fpv2 \
     python3 -m pytest -p no:cacheprovider -q "${CASES[@]}" > "$LOGS/memcheck.log" 2>&1
   echo "memcheck: rc=$? $(grep -E "ERROR SUMMARY|passed|failed" "$LOGS/memcheck.log" | tr '\n' ' ' | cut -c1-200)"
-  with_packages timeout 150 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 3 --kernel-name kns=fpv2 \
+  with_packages timeout 120 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 3 --kernel-name kns=fpv2 \
     python3 -m pytest -p no:cacheprovider -q "${CASES[0]}" "${CASES[3]}" > "$LOGS/racecheck.log" 2>&1
   echo "racecheck: rc=$? $(grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$LOGS/racecheck.log" | tr '\n' ' ' | cut -c1-200)"
   grep -E "Race reported|Error|hazard" "$LOGS/racecheck.log" | sort | uniq -c | sort -rn | head -8 | cut -c1-200
@@ -91,4 +97,46 @@ if [ "$PART" = ncu ]; then
   grep -v "^==" "$RESULTS/ncu-32k-drifting.csv" | grep -v "^profiled" |
     awk -F'","' 'NR>1 {print $1" | "$(NF-2)" | "$(NF-1)" | "$NF}' | sed 's/"//g' | cut -c1-160
   tail -3 "$LOGS/ncu.err"
+fi
+
+if [ "$PART" = ab ]; then
+  SO=packages/fpv2-kernel/tests/test_second_order_shift.py
+  gpu_tests second-order 200 "$SO" -m "hopper or gpu"
+  gpu_tests hopper-kernel 200 packages/fpv2-kernel/tests/test_hopper_kernel.py -m hopper
+  NEW="$BIN"
+  for round in 1 2; do
+    for lib in "${BASE_BIN:-.carry/base}" "$NEW"; do
+      for shape in "--seqlen 131072 --drift-tokens 256" "--seqlen 32768 --drift-tokens 256" "--seqlen 131072"; do
+        # shellcheck disable=SC2086  # the shape is a list of options
+        BIN="$lib" with_packages timeout 90 python3 benchmarks/shift_cost_probe.py $shape --page-size 1 --repeats 20 \
+          --label "$(basename "$lib")" 2>> "$LOGS/ab.err" | tail -1 | tee -a "$RESULTS/ab-round$round.jsonl"
+      done
+    done
+  done
+  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  # Every report of the two cases (mean and second-order kernels), counted by kernel and the two sites.
+  BIN="$NEW" with_packages timeout 150 "$SAN" --tool racecheck --racecheck-report all --print-limit 10000000 \
+    --kernel-name kns=prefill_kernel python3 -m pytest -p no:cacheprovider -q \
+    "$SO::test_hopper_shift_against_the_reference[128-4-1]" "$SO::test_hopper_shift_against_the_reference[128-4-128]" \
+    > /tmp/racecheck-full.log 2>&1
+  echo "racecheck: rc=$? $(grep -E "RACECHECK SUMMARY|passed|failed" /tmp/racecheck-full.log | tr '\n' ' ' | cut -c1-200)"
+  python3 - /tmp/racecheck-full.log > "$LOGS/racecheck-classes.txt" <<'PY'
+import collections, re, sys
+counts, sites, kernel = collections.Counter(), [], None
+def flush():
+    if sites:
+        counts[(kernel or "?", " / ".join(sites))] += 1
+for line in open(sys.argv[1], errors="replace"):
+    if "Error: Potential" in line:
+        flush(); sites, kernel = [], None
+    elif re.match(r"=========\s+(Write|Read) Thread", line):
+        site = re.sub(r"Thread \([0-9,]+\)|\+0x[0-9a-f]+|<.*>(?=\()", "", line.strip("= \n"))
+        sites.append(re.sub(r"\s+", " ", site))
+    elif "Host Frame: void fpv2::hopper::prefill_kernel<" in line:
+        kernel = line.split("prefill_kernel<", 1)[1].split(">(", 1)[0]
+flush()
+for (kernel, site), n in counts.most_common():
+    print(f"{n:8d}  {kernel}  |  {site}")
+PY
+  head -8 "$LOGS/racecheck-classes.txt" | cut -c1-260
 fi

@@ -318,8 +318,10 @@ def test_gpu_bf16_shift_against_the_reference(paged_case, hand_index, group, pag
 
 # --------------------------------------------------------------------------- Hopper kernel
 #: Largest |lse - reference lse| of the bf16 pooled products, and of the FP8 ones: there the query and the pooled
-#: keys are each rounded to e4m3 (3 mantissa bits, relative step 2^-3) before their product, so a pooled score of a
-#: few units moves by a few hundredths (measured on the H200: up to 0.030 at d 64 / 128 with q_gain 3).
+#: keys are each rounded to e4m3 (3 mantissa bits) before their product, an error of about 0.01 nats per pooled
+#: score at q_gain 3. The mean shift leaves the pooled terms a small share of a row's mass (lse error 0.002 on the
+#: H100), the second-order shift (positive, several nats here) makes them the bulk of some rows, whose lse then
+#: carries that error: 0.030 at most (d 64 / 128, 2026-12-05), hence no bound relative to the mean for FP8.
 LSE_ATOL = {False: 2e-2, True: 6e-2}
 
 
@@ -348,8 +350,10 @@ def _hopper_against_the_reference(case, index, stats, **kwargs) -> None:
         refs[name] = want
     moved = float((refs["second"] - refs["mean"]).norm() / refs["second"].norm())
     print(f"hopper shift {kwargs}: output error {errors}, lse error {lse_errors}, shift moves {moved:.4f}")
-    assert max(lse_errors.values()) <= LSE_ATOL[bool(kwargs.get("pooled_e4m3"))], lse_errors
-    assert lse_errors["second"] <= 1.5 * lse_errors["mean"] + 5e-3, lse_errors
+    fp8_pooled = bool(kwargs.get("pooled_e4m3"))
+    assert max(lse_errors.values()) <= LSE_ATOL[fp8_pooled], lse_errors
+    if not fp8_pooled:
+        assert lse_errors["second"] <= 1.5 * lse_errors["mean"] + 5e-3, lse_errors
     assert errors["second"] < 1.5 * errors["mean"] + 1e-3, errors
     assert moved > 5 * errors["second"], (moved, errors)
 

@@ -188,8 +188,7 @@ struct ConsumerMainloop {
     RowSpreadFactors<kRows> spread;
     auto compute_spread_factors = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       if constexpr (kSecondOrder) {
-        CorrectionMask<Traits>::row_spread_factors(sQ, tScS_rc, 1.0f / params.inverse_softmax_scale,
-                                                   spread);
+        CorrectionMask<Traits>::row_spread_factors(smem.q, tScS_rc, 1.0f / params.inverse_softmax_scale, spread);
       }
     };
     auto apply_pooled = [&](int n) CUTLASS_LAMBDA_FUNC_INLINE {
@@ -419,13 +418,16 @@ struct ConsumerMainloop {
           schedule, tile,
           [&](int n, auto mode) CUTLASS_LAMBDA_FUNC_INLINE {
             constexpr bool kPooled8 = kPooledE4M3 && decltype(mode)::value >= 2;
-            if constexpr (decltype(mode)::value >= 2) compute_spread_factors();
+            // The spread factors read Q from shared memory: under the bf16 QK product, before the e4m3 one
+            // (whose Q operand takes registers while it runs).
+            if constexpr (kPooled8) compute_spread_factors();
             if constexpr (kPooled8) {
               build_query_e4m3();
               issue_scores_e4m3();
             } else {
               issue_scores();
             }
+            if constexpr (decltype(mode)::value >= 2 && !kPooled8) compute_spread_factors();
             if constexpr (decltype(mode)::value >= 2) await_shift_table();
             warpgroup_wait<0>();
             finish_scores(n, mode);
@@ -461,7 +463,6 @@ struct ConsumerMainloop {
               keep_probabilities_e4m3();
               return;
             }
-            if constexpr (kMode == 3) compute_spread_factors();
             if constexpr (kPooled8) {
               issue_scores_e4m3();
             } else {
@@ -472,6 +473,7 @@ struct ConsumerMainloop {
             } else {
               issue_pending_pv();
             }
+            if constexpr (kMode == 3) compute_spread_factors();  // bf16 here (e4m3 returned above): under both
             if constexpr (kMode == 3) await_shift_table();
             warpgroup_wait<1>();  // the QK batch (issued first) is done, the PV batch may still run
             finish_scores(n, mode);

@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_fp16.h>
 #include <cute/tensor.hpp>
@@ -35,6 +36,7 @@
 #include "hopper/prefill_plan.hpp"
 #include "hopper/named_barriers.hpp"
 #include "hopper/online_softmax.hpp"
+#include "hopper/shared_copy.hpp"
 
 namespace fpv2::hopper {
 
@@ -163,25 +165,34 @@ struct CorrectionMask {
 
   // The second-order coefficients of the thread's rows, from the tile's bf16 Q rows in shared memory: the 4
   // threads of a quad hold the same rows (lane / 4, + 8), so each sums the squares of a quarter of the row
-  // (8-element runs, contiguous under the 128-byte swizzle) and a quad reduction completes |q|^2. Warp-uniform.
-  template <class SmemQ, class CoordsRowsCols, int kRows>
-  __device__ __forceinline__ static void row_spread_factors(SmemQ const& sQ, CoordsRowsCols const& coords_rc,
-                                                            float softmax_scale, RowSpreadFactors<kRows>& factors) {
+  // (8-element runs: one 16-byte chunk of the 128-byte swizzle each, read by one LDS.128 from a 32-bit
+  // address) and a quad reduction completes |q|^2. Two partial sums per row halve the FMA chain. Warp-uniform.
+  template <class CoordsRowsCols, int kRows>
+  __device__ __forceinline__ static void row_spread_factors(typename Traits::Element const* smem_q,
+                                                            CoordsRowsCols const& coords_rc, float softmax_scale,
+                                                            RowSpreadFactors<kRows>& factors) {
     using namespace cute;
+    static_assert(std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>, "bf16 Q: a word holds two");
+    const uint32_t q_base = cast_smem_ptr_to_uint(smem_q);
     const int quad_lane = int(threadIdx.x) % 4;
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const int row = int(get<0>(coords_rc(i, 0)));
-      float sum = 0.0f;
+      float low = 0.0f, high = 0.0f;
       CUTE_UNROLL
       for (int m = 0; m < Traits::kHeadDim / 32; ++m) {
+        const int offset = smem_offset<typename Traits::SmemLayoutQ>(row, 8 * (quad_lane + 4 * m));
+        const uint4 chunk = ld_shared_16(q_base + uint32_t(offset) * uint32_t(sizeof(typename Traits::Element)));
+        const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
         CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) {
-          const float x = float(sQ(row, 8 * (quad_lane + 4 * m) + e));
-          sum = fmaf(x, x, sum);
+        for (int w = 0; w < 4; ++w) {
+          // bf16 -> fp32 is the upper half of the float: the low element shifted up, the high one masked.
+          const float x0 = __uint_as_float(words[w] << 16), x1 = __uint_as_float(words[w] & 0xffff0000u);
+          low = fmaf(x0, x0, low);
+          high = fmaf(x1, x1, high);
         }
       }
-      sum = quad_sum(sum);
+      const float sum = quad_sum(low + high);
       factors.a[i] = 0.5f * softmax_scale * sum;
       factors.b[i] = sqrtf(sum);
     }
@@ -234,16 +245,19 @@ struct CorrectionMask {
     using namespace cute;
     static_assert(decltype(size<1>(scores_rc))::value % 2 == 0, "a thread's columns come in adjacent pairs");
     constexpr int kRows = decltype(size<0>(scores_rc))::value;
-    float const* tile_shift = table.shift + pooled_tile * Traits::kBlockN;
+    // 32-bit shared addresses (LDS.64) rather than generic pointers (64-bit arithmetic, generic loads).
+    const uint32_t tile_shift = cute::cast_smem_ptr_to_uint(table.shift + pooled_tile * Traits::kBlockN);
+    const uint32_t tile_spread = cute::cast_smem_ptr_to_uint(table.spread() + pooled_tile * Traits::kBlockN);
     CUTE_UNROLL
     for (int j = 0; j < size<1>(scores_rc); j += 2) {
       // Values j and j + 1 of a thread's row are columns 2 (lane % 4) + {0, 1} + 8 k: adjacent, the first even.
       const int col = int(get<1>(coords_rc(0, j)));
-      const float2 shift = *reinterpret_cast<float2 const*>(tile_shift + col);
+      const uint2 shift_bits = ld_shared_8(tile_shift + uint32_t(col) * uint32_t(sizeof(float)));
+      const float2 shift = make_float2(__uint_as_float(shift_bits.x), __uint_as_float(shift_bits.y));
       float2 spread0 = make_float2(0.0f, 0.0f), spread1 = make_float2(0.0f, 0.0f);
       if constexpr (kSecondOrder) {
         // Both columns' (variance, radius) in one 8-byte load.
-        const uint2 raw = *reinterpret_cast<uint2 const*>(table.spread() + pooled_tile * Traits::kBlockN + col);
+        const uint2 raw = ld_shared_8(tile_spread + uint32_t(col) * uint32_t(sizeof(__half2)));
         spread0 = __half22float2(*reinterpret_cast<__half2 const*>(&raw.x));
         spread1 = __half22float2(*reinterpret_cast<__half2 const*>(&raw.y));
       }
