@@ -46,6 +46,40 @@ device_run_start hopper-second-order "${1:-bench}" "${SCORE_BIN:-.carry/head}"
 RESULTS="$LOGS/results"  # inside the part's archive: the device returns a few files a call
 mkdir -p "$RESULTS"
 
+SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+SO=packages/fpv2-kernel/tests/test_second_order_shift.py
+
+# racecheck of the given pytest node ids on the library in $BIN, every report counted by kernel and the two
+# sites into $LOGS/racecheck-NAME.txt (the full log is too large to keep): racecheck_classes NAME LIMIT NODE...
+racecheck_classes() {
+  local name="$1" limit="$2" full
+  shift 2
+  full="$(mktemp)"
+  with_packages timeout "$limit" "$SAN" --tool racecheck --racecheck-report all --print-limit 10000000 \
+    --kernel-name kns=prefill_kernel python3 -m pytest -p no:cacheprovider -q "$@" > "$full" 2>&1
+  echo "racecheck ($name): rc=$? $(grep -E "RACECHECK SUMMARY|passed|failed" "$full" | tr '\n' ' ' | cut -c1-200)"
+  python3 - "$full" > "$LOGS/racecheck-$name.txt" <<'PY'
+import collections, re, sys
+counts, sites, kernel = collections.Counter(), [], None
+def flush():
+    if sites:
+        counts[(kernel or "?", " / ".join(sites))] += 1
+for line in open(sys.argv[1], errors="replace"):
+    if "Error: Potential" in line:
+        flush(); sites, kernel = [], None
+    elif re.match(r"=========\s+(Write|Read) Thread", line):
+        site = re.sub(r"Thread \([0-9,]+\)|\+0x[0-9a-f]+|<.*>(?=\()", "", line.strip("= \n"))
+        sites.append(re.sub(r"\s+", " ", site))
+    elif "Host Frame: void fpv2::hopper::prefill_kernel<" in line:
+        kernel = line.split("prefill_kernel<", 1)[1].split(">(", 1)[0]
+flush()
+for (kernel, site), n in counts.most_common():
+    print(f"{n:8d}  {kernel}  |  {site}")
+PY
+  rm -f "$full"
+  head -8 "$LOGS/racecheck-$name.txt" | cut -c1-260
+}
+
 SHIFTS=(--ablation --mass-shift mean --mass-shift second_order)
 ALPHAS=(--alpha 0.1 --alpha 0.2 --alpha 0.4)
 
@@ -66,21 +100,16 @@ if [ "$PART" = bench ]; then
 fi
 
 if [ "$PART" = check ]; then
-  SO=packages/fpv2-kernel/tests/test_second_order_shift.py
   gpu_tests fp8-and-splits 120 "$SO" -s -k test_hopper_shift_with_fp8_pooled_products_and_split_kv
   grep "^hopper shift" "$LOGS/pytest-fp8-and-splits.log" | cut -c1-250
-  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
   CASES=("$SO::test_hopper_shift_against_the_reference[128-4-1]" "$SO::test_hopper_shift_against_the_reference[128-4-128]"
     "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-pooled-e4m3]"
     "$SO::test_hopper_shift_with_fp8_pooled_products_and_split_kv[128-splits]")
-  # Only the project's kernels are instrumented (kns: a substring of the mangled name).
+  # Only the project's kernels are instrumented (kns: a substring of the kernel's name).
   with_packages timeout 180 "$SAN" --tool memcheck --error-exitcode 3 --kernel-name kns=fpv2 \
     python3 -m pytest -p no:cacheprovider -q "${CASES[@]}" > "$LOGS/memcheck.log" 2>&1
   echo "memcheck: rc=$? $(grep -E "ERROR SUMMARY|passed|failed" "$LOGS/memcheck.log" | tr '\n' ' ' | cut -c1-200)"
-  with_packages timeout 120 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 3 --kernel-name kns=fpv2 \
-    python3 -m pytest -p no:cacheprovider -q "${CASES[0]}" "${CASES[3]}" > "$LOGS/racecheck.log" 2>&1
-  echo "racecheck: rc=$? $(grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$LOGS/racecheck.log" | tr '\n' ' ' | cut -c1-200)"
-  grep -E "Race reported|Error|hazard" "$LOGS/racecheck.log" | sort | uniq -c | sort -rn | head -8 | cut -c1-200
+  racecheck_classes check 120 "${CASES[0]}" "${CASES[3]}"
 fi
 
 if [ "$PART" = ncu ]; then
@@ -100,7 +129,6 @@ if [ "$PART" = ncu ]; then
 fi
 
 if [ "$PART" = ab ]; then
-  SO=packages/fpv2-kernel/tests/test_second_order_shift.py
   gpu_tests second-order 200 "$SO" -m "hopper or gpu"
   gpu_tests hopper-kernel 200 packages/fpv2-kernel/tests/test_hopper_kernel.py -m hopper
   NEW="$BIN"
@@ -113,30 +141,6 @@ if [ "$PART" = ab ]; then
       done
     done
   done
-  SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-  # Every report of the two cases (mean and second-order kernels), counted by kernel and the two sites.
-  BIN="$NEW" with_packages timeout 150 "$SAN" --tool racecheck --racecheck-report all --print-limit 10000000 \
-    --kernel-name kns=prefill_kernel python3 -m pytest -p no:cacheprovider -q \
-    "$SO::test_hopper_shift_against_the_reference[128-4-1]" "$SO::test_hopper_shift_against_the_reference[128-4-128]" \
-    > /tmp/racecheck-full.log 2>&1
-  echo "racecheck: rc=$? $(grep -E "RACECHECK SUMMARY|passed|failed" /tmp/racecheck-full.log | tr '\n' ' ' | cut -c1-200)"
-  python3 - /tmp/racecheck-full.log > "$LOGS/racecheck-classes.txt" <<'PY'
-import collections, re, sys
-counts, sites, kernel = collections.Counter(), [], None
-def flush():
-    if sites:
-        counts[(kernel or "?", " / ".join(sites))] += 1
-for line in open(sys.argv[1], errors="replace"):
-    if "Error: Potential" in line:
-        flush(); sites, kernel = [], None
-    elif re.match(r"=========\s+(Write|Read) Thread", line):
-        site = re.sub(r"Thread \([0-9,]+\)|\+0x[0-9a-f]+|<.*>(?=\()", "", line.strip("= \n"))
-        sites.append(re.sub(r"\s+", " ", site))
-    elif "Host Frame: void fpv2::hopper::prefill_kernel<" in line:
-        kernel = line.split("prefill_kernel<", 1)[1].split(">(", 1)[0]
-flush()
-for (kernel, site), n in counts.most_common():
-    print(f"{n:8d}  {kernel}  |  {site}")
-PY
-  head -8 "$LOGS/racecheck-classes.txt" | cut -c1-260
+  racecheck_classes classes 150 "$SO::test_hopper_shift_against_the_reference[128-4-1]" \
+    "$SO::test_hopper_shift_against_the_reference[128-4-128]"
 fi

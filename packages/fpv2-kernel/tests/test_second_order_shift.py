@@ -13,6 +13,7 @@ Hopper kernels against the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -319,28 +320,29 @@ def test_gpu_bf16_shift_against_the_reference(paged_case, hand_index, group, pag
 
 
 # --------------------------------------------------------------------------- Hopper kernel
-def e4m3_pooled_logits(dequantized_k: torch.Tensor):
-    """A stand-in for the reference's pooled logits that computes them as the FP8 pooled products do.
+def e4m3_pooled_logits(stats, dequantized_k: torch.Tensor):
+    """The reference's pooled logits computed as the FP8 pooled products compute them.
 
     The kernel rounds each packed Q row to e4m3 at the scale of its absolute maximum (``448 / amax``) and
-    multiplies it by the pooled keys' e4m3 copies (``dequantized_k``: ``dequantize_pooled_e4m3`` of the
-    plan's statistics); the shifts (``log |B_J|``, the second-order one from the unrounded row) are as in the
-    bf16 path. Probabilities and values are not rounded here, so it predicts the lse, not the output.
+    multiplies it by the pooled keys' e4m3 copies (``dequantized_k``: ``dequantize_pooled_e4m3`` of ``stats``);
+    the shifts (``log |B_J|``, the second-order one from the unrounded row) are as in the bf16 path. This wraps
+    the reference's own pseudo-keys with those operands. Probabilities and values are not rounded here, so it
+    predicts the lse, not the output.
     """
+    exact_pseudo_keys = reference_sparse._pseudo_keys
+    rounded_stats = dataclasses.replace(stats, pooled_k=dequantized_k)
 
-    def pseudo_keys(rows, stats, stat_rows, kv_head, scale, spread=None):
+    def pseudo_keys(rows, _stats, stat_rows, kv_head, scale, spread=None):
         amax = rows.float().abs().amax(dim=1, keepdim=True)
         inverse = torch.where(amax > 0, 448.0 / amax, torch.zeros_like(amax))
         rounded = ((rows.float() * inverse).to(torch.float8_e4m3fn).float() * (amax / 448.0)).to(rows.dtype)
-        idx = torch.tensor(stat_rows, dtype=torch.long, device=stats.pooled_k.device)
-        keys = dequantized_k[idx, kv_head].to(device=rows.device, dtype=rows.dtype)
-        log_len = torch.log(stats.block_lengths[idx].to(device=rows.device, dtype=rows.dtype))
-        logits = (rounded @ keys.T) * scale + log_len[None, :]
-        if spread is not None:
+        logits, values = exact_pseudo_keys(rounded, rounded_stats, stat_rows, kv_head, scale)
+        if spread is not None:  # the second-order shift of the unrounded rows
+            idx = torch.tensor(stat_rows, dtype=torch.long, device=spread.variance.device)
             logits = logits + second_order_shift(
                 rows, spread.variance[idx, kv_head], spread.radius[idx, kv_head], scale
             )
-        return logits, stats.pooled_v[idx, kv_head].to(device=rows.device, dtype=rows.dtype)
+        return logits, values
 
     return pseudo_keys
 
@@ -373,7 +375,7 @@ def _hopper_against_the_reference(case, index, stats, monkeypatch=None, **kwargs
                 stats.block_offsets,
             )
             with monkeypatch.context() as patch:
-                patch.setattr(reference_sparse, "_pseudo_keys", e4m3_pooled_logits(dequantized_k))
+                patch.setattr(reference_sparse, "_pseudo_keys", e4m3_pooled_logits(stats, dequantized_k))
                 _, want_lse = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan,
                                                compute_dtype=F64, return_lse=True)  # fmt: skip
         assert torch.isfinite(got).all(), f"{name}: rows left unwritten (NaN poison) or non-finite output"
