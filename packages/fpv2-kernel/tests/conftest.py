@@ -12,7 +12,7 @@ import dataclasses
 import math
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +127,7 @@ def make_case(
     constant_blocks: int | None = None,
     q_gain: float = 2.0,
     fill: float = math.nan,
+    key_block_gains: Sequence[float] | None = None,
 ) -> PagedCase:
     """Random Q/K/V scattered into a cache through a random page permutation.
 
@@ -137,6 +138,9 @@ def make_case(
         constant_blocks: when set, K and V are constant within every run of this
             many tokens of each request (the mean correction is then exact).
         q_gain: multiplies the queries, sharpening the attention a little.
+        key_block_gains: when set, each request's keys of 128-token block ``j`` are
+            multiplied by ``key_block_gains[j % len(key_block_gains)]``, so that
+            the rows' score maxima jump from one block to the next.
         fill: value of the cache slots no request owns (NaN by default).
     """
     gen = torch.Generator().manual_seed(seed)
@@ -150,6 +154,9 @@ def make_case(
         else:
             k = torch.randn(kv_len, num_kv_heads, head_dim, generator=gen)
             v = torch.randn(kv_len, num_kv_heads, head_dim, generator=gen)
+        if key_block_gains:
+            gains = torch.tensor(key_block_gains, dtype=k.dtype)
+            k = k * gains[(torch.arange(kv_len) // 128) % len(gains)].view(-1, 1, 1)
         # Round through the input dtype so the ground truth is exactly what the cache holds.
         keys.append(k.to(dtype).float())
         values.append(v.to(dtype).float())

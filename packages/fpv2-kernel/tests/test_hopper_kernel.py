@@ -211,6 +211,28 @@ def test_forced_splits_without_workspace_are_refused(paged_case, monkeypatch):
         native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch)
 
 
+#: Per-128-token-block key gains: with q_gain 2 a block's score maximum spans about 1 to 30 nats, so the rows'
+#: running maxima jump by up to ~40 (base 2) from one visited block to the next, and fall as often.
+JUMPING_GAINS = (0.125, 1.0, 0.5, 3.0, 1.5, 0.25, 4.0, 2.0)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("mode", ["dense", "sparse", "corrected"])
+@pytest.mark.parametrize("page_size", [1, 128])
+@pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
+def test_jumping_maxima_across_blocks(paged_case, hand_index, head_dim, page_size, mode):
+    # The online softmax's rescale under a wide dynamic range: a factor applied to the output but not to the
+    # sum, or a probability taken against a stale maximum, moves the output and lse far past the bf16 rule here
+    # (the default inputs' maxima differ by a few nats between blocks).
+    _require_kernel()
+    case = paged_case(
+        SEQLENS_Q, SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", seed=41 + page_size + head_dim + len(mode), key_block_gains=JUMPING_GAINS,
+    )  # fmt: skip
+    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(7, 0.5))
+    _check_prefill_against_the_reference(case, index, plan)
+
+
 #: Uneven requests (query lengths and cached prefixes differ) with more CTAs than an H200 has SMs
 #: (47 query tiles x 2 KV heads x 4 requests = 376): FPV2_HOPPER_WORK_ORDER=auto orders their tiles by work.
 ORDER_SEQLENS_Q = [700, 3, 1500, 260]

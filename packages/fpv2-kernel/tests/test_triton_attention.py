@@ -232,6 +232,35 @@ def test_dense_mode_other_dtypes_scale_and_strided_out(paged_case, oracle, devic
     check_lse(lse, want_lse)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_jumping_maxima_across_blocks(paged_case, oracle, hand_index, index_token_masks, device, page_size):
+    """Keys scaled per 128-token block (the blocks' score maxima 1-20 nats apart): dense and sparse still match.
+
+    The running maximum jumps up and down between KV tiles, so every rescale branch of the online softmax runs
+    with factors far from 1; a factor applied to the output but not to the sum fails the FA3 rule here.
+    """
+    case = paged_case(
+        SEQLENS_Q, SEQLENS_K, num_q_heads=8, num_kv_heads=2, page_size=page_size, dtype=torch.float16,
+        device=device, seed=19 + page_size, key_block_gains=(0.125, 4.0, 0.5, 3.0),
+    )  # fmt: skip
+    want, want_lse = oracle(case)
+    got, lse = sparse_attention_triton(
+        case.q, case.k_cache, case.v_cache, case.batch, out=poisoned(case), return_lse=True
+    )
+    check_fa3_rule(got, want, same_precision(case, torch.float16))
+    check_lse(lse, want_lse)
+    index, segments = hand_index(
+        case.batch, num_kv_heads=2, group=4, tile_size=BLOCK_M, block_size=128, keep=random_keep(3, 0.5)
+    )
+    allowed = index_token_masks(case, segments, 128)
+    want, want_lse = oracle(case, allowed=allowed)
+    got, lse = sparse_attention_triton(
+        case.q, case.k_cache, case.v_cache, case.batch, index, out=poisoned(case), return_lse=True
+    )
+    check_fa3_rule(got, want, same_precision(case, torch.float16, allowed=allowed))
+    check_lse(lse, want_lse)
+
+
 def test_dense_mode_equals_an_index_of_every_visible_block(paged_case, hand_index, device):
     """Dense mode walks blocks 0..last_visible exactly as a CSR listing all of them: identical bits."""
     case = paged_case(

@@ -1,0 +1,109 @@
+"""The Hopper attention kernel alone under the settings of one launcher switch, interleaved in one process.
+
+Builds the planted workload (``--drift-tokens`` for the drifting background), runs the pipeline once per
+correction mode (off, the mean shift, the second-order shift) on the Hopper backend, keeps the attention
+launch's arguments, then replays only that launch: per sample ``--calls`` launches back to back between two CUDA
+events (the host issues ahead, so the GPU time is the kernel's), the settings of the environment switch
+``--switch`` (the launcher reads its ``FPV2_HOPPER_*`` switches at every launch) alternating within each round.
+Prints one JSON line per mode: the median milliseconds per launch of each setting, their spread, and the largest
+output difference between the settings. To compare two libraries, run it once per library
+(``FPV2_KERNEL_LIBRARY``) with one setting, in alternating processes.
+
+Usage (the four packages' ``src`` on ``PYTHONPATH``, ``FPV2_KERNEL_LIBRARY`` set, on an sm90 GPU):
+``python benchmarks/attention_switch_probe.py --switch FPV2_HOPPER_HEAD_MAJOR --settings 1,0 --seqlen 131072``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from fpv2.index import SelectionConfig
+from fpv2.kernel.testing import planted_workload
+from fpv2.serving.pipeline import SparsePrefillPipeline
+
+#: (label, correction, mass shift) of the timed attention launches.
+MODES = (("off", False, "mean"), ("mean", True, "mean"), ("second_order", True, "second_order"))
+
+
+def captured_launch(pipe: SparsePrefillPipeline, workload):
+    """Runs ``pipe`` once and returns a function that replays its attention launch (same index, plan, copies)."""
+    backend = pipe.backend
+    seen: dict[str, object] = {}
+    run = backend.run
+
+    def recording_run(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return run(*args, **kwargs)
+
+    backend.run = recording_run
+    try:
+        pipe(workload.q, workload.k_cache, workload.v_cache, workload.batch)
+    finally:
+        backend.run = run
+    return lambda: run(*seen["args"], **seen["kwargs"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlen", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--drift-tokens", type=float, default=None)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=5, help="launches per timed sample")
+    parser.add_argument("--switch", required=True, help="the environment variable to set, e.g. FPV2_HOPPER_HEAD_MAJOR")
+    parser.add_argument("--settings", default="0,1", help="its values to alternate, comma-separated")
+    parser.add_argument("--modes", default="off,mean,second_order")
+    parser.add_argument("--label", default="", help="a name for the library under test, copied into the JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_switch_probe needs a CUDA GPU (the Hopper backend)")
+    settings = args.settings.split(",")
+    shape = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": args.page_size}
+    wl = planted_workload([args.seqlen] * args.batch, **shape, dtype=torch.bfloat16, device=torch.device("cuda"),
+                          drift_tokens=args.drift_tokens)  # fmt: skip
+    config = SelectionConfig(alpha=args.alpha)
+    wanted = args.modes.split(",")
+    for label, correction, shift in MODES:
+        if label not in wanted:
+            continue
+        pipe = SparsePrefillPipeline(config, correction=correction, mass_shift=shift, backend="hopper")
+        launch = captured_launch(pipe, wl)
+        outputs = {}
+        for setting in settings:  # warm-up, and each setting's output for the comparison
+            os.environ[args.switch] = setting
+            outputs[setting] = launch().float()
+        torch.cuda.synchronize()
+        times: dict[str, list[float]] = {s: [] for s in settings}
+        for _ in range(args.rounds):
+            for setting in settings:
+                os.environ[args.switch] = setting
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.calls):
+                    launch()
+                end.record()
+                end.synchronize()
+                times[setting].append(start.elapsed_time(end) / args.calls)
+        first = outputs[settings[0]]
+        differences = {s: (outputs[s] - first).abs().max().item() for s in settings[1:]}
+        print(json.dumps({
+            "label": args.label, "switch": args.switch, "mode": label, "seqlen": args.seqlen, "batch": args.batch,
+            "page_size": args.page_size, "drift_tokens": args.drift_tokens, "alpha": args.alpha,
+            "rounds": args.rounds, "calls": args.calls,
+            "median_ms": {s: round(statistics.median(t), 4) for s, t in times.items()},
+            "min_ms": {s: round(min(t), 4) for s, t in times.items()},
+            "max_ms": {s: round(max(t), 4) for s, t in times.items()},
+            f"max_abs_difference_vs_{settings[0]}": differences,
+        }), flush=True)  # fmt: skip
+    os.environ.pop(args.switch, None)
+
+
+if __name__ == "__main__":
+    main()
