@@ -212,7 +212,7 @@ def test_forced_splits_without_workspace_are_refused(paged_case, monkeypatch):
 
 
 #: Per-128-token-block key gains: with q_gain 2 a block's score maximum spans about 1 to 30 nats, so the rows'
-#: running maxima jump by up to ~40 (base 2) from one visited block to the next, and fall as often.
+#: running maxima jump by up to ~30 nats from one visited block to the next, and fall as often.
 JUMPING_GAINS = (0.125, 1.0, 0.5, 3.0, 1.5, 0.25, 4.0, 2.0)
 
 
@@ -221,9 +221,9 @@ JUMPING_GAINS = (0.125, 1.0, 0.5, 3.0, 1.5, 0.25, 4.0, 2.0)
 @pytest.mark.parametrize("page_size", [1, 128])
 @pytest.mark.parametrize("head_dim", BUILT_HEAD_DIMS)
 def test_jumping_maxima_across_blocks(paged_case, hand_index, head_dim, page_size, mode):
-    # The online softmax's rescale under a wide dynamic range: a factor applied to the output but not to the
-    # sum, or a probability taken against a stale maximum, moves the output and lse far past the bf16 rule here
-    # (the default inputs' maxima differ by a few nats between blocks).
+    # The online softmax's rescale over a wide range: the default inputs' maxima differ by a few nats between
+    # blocks, these by up to ~30 both ways, so an output factor that is wrong only when it is tiny shows here
+    # (the Triton twin's mutation check: a factor floored at 1e-3 fails it but passes the fp16 default inputs).
     _require_kernel()
     case = paged_case(
         SEQLENS_Q, SEQLENS_K, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
