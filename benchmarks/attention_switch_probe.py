@@ -48,6 +48,17 @@ def captured_launch(pipe: SparsePrefillPipeline, workload):
     return lambda: run(*seen["args"], **seen["kwargs"])
 
 
+def timed(launch, calls: int) -> float:
+    """Milliseconds per launch of ``calls`` launches issued back to back between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=32768)
@@ -65,6 +76,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("attention_switch_probe needs a CUDA GPU (the Hopper backend)")
     settings = args.settings.split(",")
+    previous = os.environ.get(args.switch)
     shape = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": args.page_size}
     wl = planted_workload([args.seqlen] * args.batch, **shape, dtype=torch.bfloat16, device=torch.device("cuda"),
                           drift_tokens=args.drift_tokens)  # fmt: skip
@@ -84,13 +96,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for setting in settings:
                 os.environ[args.switch] = setting
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(args.calls):
-                    launch()
-                end.record()
-                end.synchronize()
-                times[setting].append(start.elapsed_time(end) / args.calls)
+                times[setting].append(timed(launch, args.calls))
         first = outputs[settings[0]]
         differences = {s: (outputs[s] - first).abs().max().item() for s in settings[1:]}
         print(json.dumps({
@@ -102,7 +108,11 @@ def main() -> None:
             "max_ms": {s: round(max(t), 4) for s, t in times.items()},
             f"max_abs_difference_vs_{settings[0]}": differences,
         }), flush=True)  # fmt: skip
-    os.environ.pop(args.switch, None)
+    # The library reads the switch at every launch: put back what the caller had.
+    if previous is None:
+        os.environ.pop(args.switch, None)
+    else:
+        os.environ[args.switch] = previous
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from attention_switch_probe import captured_launch  # this folder, first on sys.path when run as a script
+from attention_switch_probe import captured_launch, timed  # this folder, first on sys.path when run as a script
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.testing import planted_workload
@@ -36,17 +36,6 @@ from fpv2.serving.environment import gpu_clock_state
 from fpv2.serving.pipeline import SparsePrefillPipeline
 
 PROTOCOLS = ("ahead", "eager", "idle", "pipeline")
-
-
-def timed(launch, calls: int) -> float:
-    """Milliseconds per launch of ``calls`` launches issued back to back between two events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def attention_in_pipeline(pipe: SparsePrefillPipeline, workload) -> float:
