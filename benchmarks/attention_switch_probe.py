@@ -21,13 +21,11 @@ import os
 import statistics
 
 import torch
+from shift_cost_probe import MODES  # this folder, first on sys.path when run as a script
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.testing import planted_workload
 from fpv2.serving.pipeline import SparsePrefillPipeline
-
-#: (label, correction, mass shift) of the timed attention launches.
-MODES = (("off", False, "mean"), ("mean", True, "mean"), ("second_order", True, "second_order"))
 
 
 def captured_launch(pipe: SparsePrefillPipeline, workload):

@@ -193,6 +193,22 @@ def check_lse(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-4, rtol: f
     torch.testing.assert_close(got[finite], want[finite], rtol=rtol, atol=atol)
 
 
+def check_sparse_against_masked_oracle(case, oracle, hand_index, index_token_masks, group: int, keep):
+    """The fp16 kernel over a hand index keeping ``keep``'s blocks against the fp64 oracle on the same keys.
+
+    Returns ``(output, index)``.
+    """
+    index, segments = hand_index(case.batch, num_kv_heads=2, group=group, tile_size=BLOCK_M, block_size=128, keep=keep)
+    allowed = index_token_masks(case, segments, 128)
+    want, want_lse = oracle(case, allowed=allowed)
+    got, lse = sparse_attention_triton(
+        case.q, case.k_cache, case.v_cache, case.batch, index, out=poisoned(case), return_lse=True
+    )
+    check_fa3_rule(got, want, same_precision(case, torch.float16, allowed=allowed))
+    check_lse(lse, want_lse)
+    return got, index
+
+
 #: FP8 lse tolerance: on Hopper, Triton accumulates e4m3 products at the tensor cores' reduced
 #: FP8 accumulation precision (measured up to 5.5e-4 relative on an H200); exact in the interpreter.
 FP8_LSE_RTOL = 1e-3
@@ -249,16 +265,7 @@ def test_jumping_maxima_across_blocks(paged_case, oracle, hand_index, index_toke
     )
     check_fa3_rule(got, want, same_precision(case, torch.float16))
     check_lse(lse, want_lse)
-    index, segments = hand_index(
-        case.batch, num_kv_heads=2, group=4, tile_size=BLOCK_M, block_size=128, keep=random_keep(3, 0.5)
-    )
-    allowed = index_token_masks(case, segments, 128)
-    want, want_lse = oracle(case, allowed=allowed)
-    got, lse = sparse_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.batch, index, out=poisoned(case), return_lse=True
-    )
-    check_fa3_rule(got, want, same_precision(case, torch.float16, allowed=allowed))
-    check_lse(lse, want_lse)
+    check_sparse_against_masked_oracle(case, oracle, hand_index, index_token_masks, 4, random_keep(3, 0.5))
 
 
 def test_dense_mode_equals_an_index_of_every_visible_block(paged_case, hand_index, device):
@@ -282,17 +289,10 @@ def test_sparse_matches_token_masked_oracle(
         SEQLENS_Q, SEQLENS_K, num_q_heads=2 * group, num_kv_heads=2, page_size=page_size, dtype=torch.float16,
         device=device, seed=7 * group + page_size,
     )  # fmt: skip
-    index, segments = hand_index(
-        case.batch, num_kv_heads=2, group=group, tile_size=BLOCK_M, block_size=128, keep=random_keep(group)
+    got, index = check_sparse_against_masked_oracle(
+        case, oracle, hand_index, index_token_masks, group, random_keep(group)
     )
     assert 0 < index.density(case.batch) < 1
-    allowed = index_token_masks(case, segments, 128)
-    want, want_lse = oracle(case, allowed=allowed)
-    got, lse = sparse_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.batch, index, out=poisoned(case), return_lse=True
-    )
-    check_fa3_rule(got, want, same_precision(case, torch.float16, allowed=allowed))
-    check_lse(lse, want_lse)
     dense = oracle(case)[0]
     assert (got.double().cpu() - dense).abs().max().item() > 0.05, "pruning had no effect: the index was ignored"
 
