@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -115,3 +117,32 @@ def test_reference_backend_matches_sparse_attention_and_casts():
     direct = sparse_attention(wl.q, wl.k_cache, wl.v_cache, wl.batch, result.index)
     assert result.out.dtype == torch.bfloat16
     torch.testing.assert_close(result.out, direct.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.fixture
+def fresh_auto_log(monkeypatch):
+    monkeypatch.setattr(registry, "_REPORTED_AUTO_CHOICES", set())
+
+
+@pytest.mark.parametrize(("major", "level"), [(9, "WARNING"), (8, "INFO")])
+def test_auto_logs_a_missing_hopper_kernel_once(clean_registry, fresh_auto_log, monkeypatch, caplog, major, level):
+    # The product's fast path missing on a Hopper GPU must not pass unnoticed; elsewhere it is expected.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (major, 0))
+    clean_registry.register_backend(FakeBackend("hopper", False, "libfpv2_kernel.so not found"), priority=0)
+    clean_registry.register_backend(FakeBackend("triton", True, "ok"), priority=1)
+    caplog.set_level(logging.INFO, logger="fpv2.serving")
+    assert clean_registry.resolve_backend("auto").name == "triton"
+    assert clean_registry.resolve_backend("auto").name == "triton"
+    records = [r for r in caplog.records if r.name == "fpv2.serving"]
+    assert len(records) == 1, "logged once per process, not per call"
+    assert records[0].levelname == level
+    assert "chose 'triton'" in records[0].getMessage()
+    assert "hopper: libfpv2_kernel.so not found" in records[0].getMessage()
+
+
+def test_auto_logs_nothing_when_the_first_choice_is_available(clean_registry, fresh_auto_log, caplog):
+    clean_registry.register_backend(FakeBackend("fast", True, "ok"), priority=-5)
+    caplog.set_level(logging.INFO, logger="fpv2.serving")
+    assert clean_registry.resolve_backend("auto").name == "fast"
+    assert not [r for r in caplog.records if r.name == "fpv2.serving"]

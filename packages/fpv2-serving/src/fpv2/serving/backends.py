@@ -9,6 +9,9 @@ Registered here, in ``auto`` order: ``hopper`` (the native Hopper kernel
 behind the C ABI), ``triton`` (the portable Triton kernel of ``fpv2.kernel``;
 chosen by ``auto`` on CUDA GPUs, usable by name under the Triton interpreter)
 and ``reference`` (the PyTorch reference of ``fpv2.kernel``; always available).
+What ``auto`` passes over is logged once per process on the ``fpv2.serving``
+logger: a warning where a Hopper GPU runs without the Hopper kernel (a missing
+or CPU-only native library costs about half the speed), else at info level.
 
 A backend may declare ``derives_todo = True``: it computes the correction's
 todo bitmasks from the block index itself, so the pipeline hands it a plan
@@ -19,6 +22,7 @@ correction plans' mass shifts it applies (``("mean",)`` when absent; see
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -551,6 +555,27 @@ def _with_fallback(backend: AttentionBackend, name: str) -> AttentionBackend:
     return backend
 
 
+_LOG = logging.getLogger("fpv2.serving")
+#: (chosen, passed-over reasons) already logged by :func:`_report_auto_choice`.
+_REPORTED_AUTO_CHOICES: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _report_auto_choice(chosen: str, passed_over: list[str]) -> None:
+    """Log, once per process and outcome, which backends ``auto`` passed over and why.
+
+    A warning where the device is a Hopper GPU and ``hopper`` was passed over (the
+    product's fast path is missing where it should run), else info.
+    """
+    key = (chosen, tuple(passed_over))
+    if not passed_over or key in _REPORTED_AUTO_CHOICES:
+        return
+    _REPORTED_AUTO_CHOICES.add(key)
+    hopper_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    hopper_missing = any(reason.startswith("hopper:") for reason in passed_over)
+    level = logging.WARNING if hopper_gpu and hopper_missing else logging.INFO
+    _LOG.log(level, "attention backend 'auto' chose %r; passed over: %s", chosen, "; ".join(passed_over))
+
+
 def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
     """The backend to use for ``name``.
 
@@ -569,6 +594,8 @@ def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
         ValueError: ``name`` is not registered (the message lists the names).
         RuntimeError: the named backend is not available here (with its reason);
             there is no silent fallback to another backend.
+
+    ``auto`` logs what it passed over (see the module's docstring).
     """
     if isinstance(name, str):
         if name == AUTO:
@@ -580,6 +607,7 @@ def resolve_backend(name: str | AttentionBackend = AUTO) -> AttentionBackend:
                     continue
                 ok, why = backend.available()
                 if ok:
+                    _report_auto_choice(candidate, reasons)
                     return _with_fallback(backend, candidate)
                 reasons.append(f"{candidate}: {why}")
             raise RuntimeError("no attention backend is available: " + "; ".join(reasons))
