@@ -11,6 +11,8 @@
 #                                      FPV2_INDEX_SCORING=auto too), the speed table, fpv2 bench on vLLM's NHD views
 #                                      and at d = 64 / 256 through the copy (page 1)
 #   (the A/B of two kernel variants and its ncu ran as part "ab" at commit 415bd16: results/2026-12-04-h200-hopper-scoring/)
+#   benchmarks/hopper_scoring_device_run.sh pipes  ncu's pipe utilisations of the scoring kernel at 128K and the
+#                                      host breakdown of a corrected pipeline call (prediction in the part)
 #   benchmarks/hopper_scoring_device_run.sh bench  fpv2 bench of the corrected planted pipeline at page 1 (Hopper
 #                                      backend), 128K, 32K and 4 x 128K, with the Hopper scoring (auto) and the
 #                                      Triton pass (FPV2_INDEX_SCORING=triton)
@@ -183,6 +185,36 @@ if [ "$PART" = host ]; then
   grep -A8 "corrected, waited by synchronize" "$RESULTS"/marks-*.txt | cut -c1-120
   grep -E "==|whole call|pool_blocks_triton|select_blocks_triton|_launch_|score_|use_hopper|HopperBackend.run " \
     "$RESULTS"/host-*.txt | cut -c1-130
+fi
+
+if [ "$PART" = pipes ]; then
+  # What bounds the scoring kernel at 128K (1.45 ms; its step costs ~1280 SM cycles against 512 for the product and
+  # 512 for the exponentials): ncu's pipe utilisations, shared-memory wavefronts, issue activity and stalls of one
+  # launch, then the host breakdown of a corrected pipeline call at 128K and 32K (page 1, Hopper backend).
+  # Prediction (26th session): tensor (gmma) pipe and XU (MUFU) each active 35-45% of the elapsed cycles, their sum
+  # at most ~100% (the CTAs' product and exponential phases do not overlap), shared-memory wavefronts ~40%, issue
+  # active ~50%. If the sum is well above 100% the phases already overlap and issue latency is the bound.
+  PIPES="sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed"
+  PIPES+=",sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_elapsed"
+  PIPES+=",sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_elapsed"
+  PIPES+=",sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_elapsed"
+  PIPES+=",sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_elapsed"
+  PIPES+=",l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed"
+  PIPES+=",smsp__issue_active.avg.pct_of_peak_sustained_elapsed"
+  PIPES+=",smsp__warps_active.avg.per_cycle_active,smsp__warps_eligible.avg.per_cycle_active"
+  FPV2_INDEX_SCORING=hopper with_packages timeout 200 ncu --kernel-name-base demangled \
+    --kernel-name regex:index::score_select --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --metrics "$PIPES,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 benchmarks/hopper_scoring_speed.py --shapes 1x131072 --repeats 2 --no-kernel-times \
+    --out "$LOGS/ncu-run.json" > "$RESULTS/ncu-pipes.txt" 2>&1
+  echo "ncu: rc=$?"
+  grep -E "Duration|pct_of_peak|per_cycle_active" "$RESULTS/ncu-pipes.txt" | cut -c1-140
+  grep -E "issue_stalled" "$RESULTS/ncu-pipes.txt" | sort -k3 -n -r | head -8 | cut -c1-140
+  with_packages timeout 200 python3 benchmarks/pipeline_profile.py --seqlen 131072 32768 --page-size 1 \
+    --backend hopper --host-breakdown --repeats 30 --out "$RESULTS/host" > "$RESULTS/host.txt" 2>&1
+  echo "host breakdown: rc=$?"
+  grep -E "==|whole call|validate|StageClock|_pool_statistics|pool_blocks_triton|launch_pool|fresh_outputs|tile_copies|select_blocks|HopperBackend.run |hopper_prefill" \
+    "$RESULTS/host.txt" | cut -c1-120
 fi
 
 if [ "$PART" = default ]; then
