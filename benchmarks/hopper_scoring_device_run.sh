@@ -194,7 +194,7 @@ if [ "$PART" = pipes ]; then
   # Prediction (26th session): tensor (gmma) pipe and XU (MUFU) each active 35-45% of the elapsed cycles, their sum
   # at most ~100% (the CTAs' product and exponential phases do not overlap), shared-memory wavefronts ~40%, issue
   # active ~50%. If the sum is well above 100% the phases already overlap and issue latency is the bound.
-  PIPES="sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed"
+  PIPES="sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"
   PIPES+=",sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_elapsed"
   PIPES+=",sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_elapsed"
   PIPES+=",sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_elapsed"
