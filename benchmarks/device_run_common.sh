@@ -16,6 +16,11 @@ device_run_start() {
   # shellcheck disable=SC2064  # the archive's name is fixed now
   trap "tar czf '$OUT/$1-$PART.tgz' -C '$LOGS' ." EXIT
   trap 'exit 143' TERM INT
+  # A missing library is not an error for Triton-only parts, but `auto` rows would quietly run on Triton.
+  if [ ! -f "$ROOT/$BIN/libfpv2_kernel.so" ]; then
+    echo "device_run_start: WARNING: no libfpv2_kernel.so in $BIN (decompress the carried .xz first?): the Hopper" \
+      "backend is unavailable and auto rows run on Triton"
+  fi
 }
 
 with_packages() {
