@@ -80,6 +80,17 @@ def workload_panels(records: list[Record], panel_width: float) -> tuple[object, 
     return fig, panels
 
 
+def grouped_bars(ax: object, series: dict[str, list[float]], labels: list[str], title: str) -> None:
+    """One group of bars per x label (a bar per series, side by side), the labels under them, a legend."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(values))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
 def save_figure(fig: object, path: Path) -> None:
     """Write ``fig`` as a PNG and release it."""
     import matplotlib.pyplot as plt

@@ -20,7 +20,15 @@ import argparse
 from pathlib import Path
 
 import torch
-from correction_study_common import record_header, run_grid, save_figure, study_inputs, study_parser, workload_panels
+from correction_study_common import (
+    grouped_bars,
+    record_header,
+    run_grid,
+    save_figure,
+    study_inputs,
+    study_parser,
+    workload_panels,
+)
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.reference import sparse as reference_sparse
@@ -68,19 +76,14 @@ def plot(records: list[dict[str, object]], path: Path) -> None:
     fig, panels = workload_panels(records, 6.5)
     for ax, workload, rows in panels:
         strides = list(rows[0]["strides"])
-        width = 0.8 / len(strides)
-        for i, stride in enumerate(strides):
-            xs = [j + (i - (len(strides) - 1) / 2) * width for j in range(len(rows))]
-            ax.bar(xs, [r["strides"][stride]["rel_err_mean"] for r in rows], width, label=f"stride {stride}")
+        series = {f"stride {s}": [r["strides"][s]["rel_err_mean"] for r in rows] for s in strides}
         labels = [
             f"{r['L'] // 1024}K a={r['alpha']}\n"
             + "/".join(f"{100 * r['strides'][s]['density']:.1f}" for s in strides)
             + "% kept"
             for r in rows
         ]
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_title(f"{workload}: corrected error vs fp32 dense")
-        ax.legend(fontsize=7)
+        grouped_bars(ax, series, labels, f"{workload}: corrected error vs fp32 dense")
     save_figure(fig, path)
 
 

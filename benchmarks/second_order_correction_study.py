@@ -28,7 +28,15 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from correction_study_common import record_header, run_grid, save_figure, study_inputs, study_parser, workload_panels
+from correction_study_common import (
+    grouped_bars,
+    record_header,
+    run_grid,
+    save_figure,
+    study_inputs,
+    study_parser,
+    workload_panels,
+)
 
 from fpv2.correction.key_spread import compute_key_spread, second_order_shift
 from fpv2.index import SelectionConfig
@@ -107,16 +115,11 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
 def plot(records: list[dict[str, object]], path: Path) -> None:
     """Error of each variant per (length, alpha, density), one panel per workload."""
     variants = ("none", "mean", "second_order", "diagonal")
-    width = 0.8 / len(variants)
     fig, panels = workload_panels(records, 6.5)
     for ax, workload, rows in panels:
-        for i, variant in enumerate(variants):
-            xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(rows))]
-            ax.bar(xs, [r["rel_err"][variant] for r in rows], width, label=variant)
+        series = {variant: [r["rel_err"][variant] for r in rows] for variant in variants}
         labels = [f"{r['L'] // 1024}K a={r['alpha']}\n{100 * r['density']:.1f}% kept" for r in rows]
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_title(f"{workload}: relative L2 error vs fp32 dense")
-        ax.legend(fontsize=7)
+        grouped_bars(ax, series, labels, f"{workload}: relative L2 error vs fp32 dense")
     save_figure(fig, path)
 
 
