@@ -11,6 +11,10 @@
 #                                      FPV2_INDEX_SCORING=auto too), the speed table, fpv2 bench on vLLM's NHD views
 #                                      and at d = 64 / 256 through the copy (page 1)
 #   (the A/B of two kernel variants and its ncu ran as part "ab" at commit 415bd16: results/2026-12-04-h200-hopper-scoring/)
+#   benchmarks/hopper_scoring_device_run.sh offset  the unmasked steps' exponentials with no offset
+#                                      (FPV2_SCORE_ZERO_OFFSET) against the shipped ones, and the scoring GPU tests
+#   benchmarks/hopper_scoring_device_run.sh lines  ncu's source counters of the scoring kernel at 128K (instructions
+#                                      and stall samples per line), as CSV
 #   benchmarks/hopper_scoring_device_run.sh pipes  ncu's pipe utilisations of the scoring kernel at 128K and the
 #                                      host breakdown of a corrected pipeline call (prediction in the part)
 #   benchmarks/hopper_scoring_device_run.sh bench  fpv2 bench of the corrected planted pipeline at page 1 (Hopper
@@ -185,6 +189,46 @@ if [ "$PART" = host ]; then
   grep -A8 "corrected, waited by synchronize" "$RESULTS"/marks-*.txt | cut -c1-120
   grep -E "==|whole call|pool_blocks_triton|select_blocks_triton|_launch_|score_|use_hopper|HopperBackend.run " \
     "$RESULTS"/host-*.txt | cut -c1-130
+fi
+
+if [ "$PART" = offset ]; then
+  # The unmasked step's exponentials with no offset (FPV2_SCORE_ZERO_OFFSET=1: 2^s, s already in log2 units; an
+  # overflow or underflow redoes the step with each key's maximum): 202 -> 133 instructions a thread in the unmasked
+  # block. Prediction (27th session, from the polynomial run's +0.03% a step per added instruction): 1.5-2.5% off the
+  # scoring kernel at 128K (1442 -> 1405-1420 us on an H100), 0 differing pairs on the planted workload, the
+  # scoring GPU tests pass with it.
+  with_packages timeout 120 python3 benchmarks/scoring_switch_probe.py --env FPV2_SCORE_ZERO_OFFSET --settings 0,1 \
+    --shapes 1x131072 1x32768 4x131072 --rounds 10 --label head --out "$RESULTS/scoring-zero-offset.jsonl" \
+    > "$LOGS/zero-offset.log" 2>&1
+  echo "probe: rc=$?"
+  cut -c1-500 "$RESULTS/scoring-zero-offset.jsonl"
+  FPV2_SCORE_ZERO_OFFSET=1 gpu_tests scoring-zero-offset 120 packages/fpv2-index/tests/test_hopper_scoring.py -m gpu
+  gpu_tests scoring-shipped 120 packages/fpv2-index/tests/test_hopper_scoring.py -m gpu
+fi
+
+if [ "$PART" = lines ]; then
+  # Where the scoring kernel's instructions go at 128K: ncu's source counters (instructions executed and stall
+  # samples per CUDA line and per SASS instruction) of one launch, as CSV for the development machine.
+  # Prediction (27th session): the static count of a step's loop is ~300 warp instructions (the unmasked
+  # reduce_shifted block 202), against ~556 a warp-step from last session's issue activity (44.7% of ~1245 SM
+  # cycles a step): either the masked last steps and the exact-offset redo (reduce) run far more often than
+  # assumed, or the per-tile work (locate, select, the first loads) is a large share. Reading the CSV decides.
+  FPV2_INDEX_SCORING=hopper with_packages timeout 240 ncu --kernel-name-base demangled \
+    --kernel-name regex:index::score_select --launch-skip 2 --launch-count 1 --section SourceCounters \
+    --section WarpStateStats --section LaunchStats --import-source yes \
+    --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg,smsp__issue_active.avg.pct_of_peak_sustained_elapsed \
+    --export "$LOGS/scoring-lines" \
+    python3 benchmarks/hopper_scoring_speed.py --shapes 1x131072 --repeats 2 --no-kernel-times \
+    --out "$LOGS/ncu-run.json" > "$RESULTS/ncu-lines.txt" 2>&1
+  echo "ncu: rc=$?"
+  grep -E "inst_executed|cycles_elapsed|issue_active|Duration" "$RESULTS/ncu-lines.txt" | cut -c1-140
+  ncu --import "$LOGS/scoring-lines.ncu-rep" --page source --csv --print-source cuda,sass \
+    > "$RESULTS/scoring-source-cuda.csv" 2> "$LOGS/source.err"
+  echo "source page: rc=$? $(wc -l < "$RESULTS/scoring-source-cuda.csv") lines"
+  ncu --import "$LOGS/scoring-lines.ncu-rep" --page source --csv --print-source sass \
+    > "$RESULTS/scoring-source-sass.csv" 2>> "$LOGS/source.err"
+  echo "sass page: rc=$? $(wc -l < "$RESULTS/scoring-source-sass.csv") lines"
+  gzip -f "$RESULTS/scoring-source-cuda.csv" "$RESULTS/scoring-source-sass.csv"
 fi
 
 if [ "$PART" = pipes ]; then
