@@ -2,7 +2,6 @@
 #include "index/launch_score.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include <cutlass/numeric_types.h>
 
@@ -77,9 +76,9 @@ int32_t prepare_launch(Kernel kernel, int threads, size_t smem, size_t max_smem,
   return FPV2_OK;
 }
 
-template <class Element, int kHeadDim, bool kZeroOffset = false>
+template <class Element, int kHeadDim>
 int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int device, int sm_count) {
-  using Traits = ScoreTraits<Element, kHeadDim, kZeroOffset>;
+  using Traits = ScoreTraits<Element, kHeadDim>;
   const ScoreParams<Element> p = make_params<Element>(args);
   if (p.num_segments > 0) {
     // The storage, the tile's energies (one float per key block of the longest request) and the alignment slack.
@@ -112,11 +111,6 @@ int32_t launch_score(const fpv2_score_args_t& args, cudaStream_t stream) {
   const bool bf16 = args.q.dtype == FPV2_DTYPE_BF16;
   const int64_t d = args.q.shape[2];
   if (bf16) {
-    // Experiment: FPV2_SCORE_ZERO_OFFSET=1 (bf16, d 128).
-    const char* zero = std::getenv("FPV2_SCORE_ZERO_OFFSET");
-    if (d == 128 && zero != nullptr && zero[0] == '1') {
-      return launch_for<cutlass::bfloat16_t, 128, true>(args, stream, device, sm_count);
-    }
     return d == 64 ? launch_for<cutlass::bfloat16_t, 64>(args, stream, device, sm_count)
                    : launch_for<cutlass::bfloat16_t, 128>(args, stream, device, sm_count);
   }

@@ -11,12 +11,10 @@ namespace fpv2::index {
 
 // One accumulator and two key buffers, three CTAs per SM: measured faster than two accumulators with the
 // product of step n+1 under step n's exponentials at two CTAs per SM (benchmarks/NOTES.md, 2026-12-04).
-template <class Element_, int kHeadDim_, bool kZeroOffset_ = false>
+template <class Element_, int kHeadDim_>
 struct ScoreTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  // Experiment: 2^s with no offset (s is in log2 units already); overflow and underflow redo the step exactly.
-  static constexpr bool kZeroOffset = kZeroOffset_;
   static constexpr int kCtasPerSm = 3;
   static constexpr int kTileRows = 128;  // packed query rows of a tile (FPV2_KERNEL_TILE_SIZE)
   static constexpr int kStepKeys = 64;   // pooled keys per step (the wgmma's M)
