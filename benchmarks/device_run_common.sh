@@ -76,3 +76,23 @@ with_clocks() {
   echo "clocks ($name): $(tail -n +2 "$RESULTS/clocks-$name.csv" | awk -F', ' '{print $2}' | sort -n | uniq -c |
     sort -rn | head -4 | tr '\n' ';')"
 }
+
+# The Hopper attention kernel alone (attention_switch_probe.py, planted, page 1) with the library in FOLDER, its
+# JSON line appended to $RESULTS/FILE: attention_probe LABEL FOLDER SEQLEN MODES FILE. The switch named is one the
+# launcher reads, at its default value, so that processes with different libraries time the same launch.
+attention_probe() {
+  BIN="$2" with_packages timeout 120 python3 benchmarks/attention_switch_probe.py \
+    --switch FPV2_HOPPER_POOLED_HALF_EXP --settings 0 --seqlen "$3" --modes "$4" --rounds 6 --calls 3 --label "$1" \
+    >> "$RESULTS/$5" 2> "$LOGS/attention-$1-$3.log"
+  echo "attention $1 $3: rc=$?"
+}
+
+# The median and minimum lines of attention_probe's JSON file: attention_table FILE
+attention_table() {
+  python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["label"], r["seqlen"], r["mode"], r["median_ms"], r["min_ms"])
+' "$RESULTS/$1"
+}

@@ -43,28 +43,15 @@ if [ "$PART" = ab ]; then
   for columns in 2 3; do
     FPV2_SCORE_POLY_EXP=$columns gpu_tests "scoring-poly$columns" 90 packages/fpv2-index/tests/test_hopper_scoring.py -m gpu
   done
-  # The attention kernel alone, one library per process, alternating; the switch named is one the launcher reads
-  # (its default value), so every process times the same launch.
-  attention() {  # attention LABEL FOLDER SEQLEN
-    BIN="$2" with_packages timeout 100 python3 benchmarks/attention_switch_probe.py --switch FPV2_HOPPER_POOLED_HALF_EXP \
-      --settings 0 --seqlen "$3" --modes off,mean --rounds 6 --calls 3 --label "$1" \
-      >> "$RESULTS/attention-poly.jsonl" 2> "$LOGS/attention-$1-$3.log"
-    echo "attention $1 $3: rc=$?"
-  }
   for round in 1 2; do
     for seqlen in 131072 32768; do
-      attention head "${BIN:-.carry/head}" "$seqlen"
-      attention poly2 "$POLY2_BIN" "$seqlen"
-      attention poly3 "$POLY3_BIN" "$seqlen"
+      attention_probe head "${BIN:-.carry/head}" "$seqlen" off,mean attention-poly.jsonl
+      attention_probe poly2 "$POLY2_BIN" "$seqlen" off,mean attention-poly.jsonl
+      attention_probe poly3 "$POLY3_BIN" "$seqlen" off,mean attention-poly.jsonl
     done
     echo "round $round done"
   done
-  python3 - "$RESULTS/attention-poly.jsonl" << 'EOF'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["label"], r["seqlen"], r["mode"], r["median_ms"], r["min_ms"])
-EOF
+  attention_table attention-poly.jsonl
 fi
 
 if [ "$PART" = tests ]; then

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Device run: two builds of the native library against each other on the Hopper attention kernel alone, from the
+# repository root (for a kernel change prepared as a patch in benchmarks/experiments/, built on the development
+# machine into CANDIDATE_BIN, with the shipped tree's build in BIN).
+#
+#   benchmarks/library_ab_device_run.sh speed  attention_switch_probe.py on the planted workload (page 1, alpha 0.1)
+#                                              at 128K and 32K, correction off / mean / second order, one library
+#                                              per process, the two alternating, ROUNDS rounds [2]
+#   benchmarks/library_ab_device_run.sh tests  the Hopper kernel's GPU suite on CANDIDATE_BIN
+#
+# The prediction belongs to the experiment (benchmarks/experiments/README.md): copy it into the notes before
+# the run.
+#
+# Environment: BIN [.carry/head], CANDIDATE_BIN [.carry/candidate], LABEL (the experiment's name) [candidate],
+# ROUNDS [2]; OUT.
+set -u -o pipefail
+# shellcheck source=benchmarks/device_run_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
+device_run_start library-ab "${1:-speed}" "${BIN:-.carry/head}"
+RESULTS="$OUT"
+CANDIDATE_BIN="${CANDIDATE_BIN:-.carry/candidate}"
+LABEL="${LABEL:-candidate}"
+if [ ! -f "$ROOT/$CANDIDATE_BIN/libfpv2_kernel.so" ]; then
+  echo "library_ab_device_run: no libfpv2_kernel.so in $CANDIDATE_BIN"
+  exit 1
+fi
+
+if [ "$PART" = speed ]; then
+  for round in $(seq "${ROUNDS:-2}"); do
+    for seqlen in 131072 32768; do
+      attention_probe shipped "$BIN" "$seqlen" off,mean,second_order attention-ab.jsonl
+      attention_probe "$LABEL" "$CANDIDATE_BIN" "$seqlen" off,mean,second_order attention-ab.jsonl
+    done
+    echo "round $round done"
+  done
+  attention_table attention-ab.jsonl
+fi
+
+if [ "$PART" = tests ]; then
+  BIN="$CANDIDATE_BIN" gpu_tests hopper-kernel 300 packages/fpv2-kernel/tests/test_hopper_kernel.py -m hopper
+fi
