@@ -226,6 +226,8 @@ if [ "$PART" = lines ]; then
   ncu --import "$LOGS/scoring-lines.ncu-rep" --page source --csv --print-source cuda,sass \
     > "$RESULTS/scoring-source-cuda.csv" 2> "$LOGS/source.err"
   echo "source page: rc=$? $(wc -l < "$RESULTS/scoring-source-cuda.csv") lines"
+  python3 scripts/ncu_lines.py "$RESULTS/scoring-source-cuda.csv" --column "Instructions Executed" --count 20
+  python3 scripts/ncu_lines.py "$RESULTS/scoring-source-cuda.csv" --count 20
   ncu --import "$LOGS/scoring-lines.ncu-rep" --page source --csv --print-source sass \
     > "$RESULTS/scoring-source-sass.csv" 2>> "$LOGS/source.err"
   echo "sass page: rc=$? $(wc -l < "$RESULTS/scoring-source-sass.csv") lines"

@@ -14,19 +14,29 @@ import os
 import sys
 
 
-def load_lines(path: str) -> dict[tuple[str, int], tuple[str, float]]:
-    """``{(file name, line): (source text, stall samples)}`` of one CSV (CUDA-line rows only)."""
+def load_lines(path: str, column: str | None = None) -> dict[tuple[str, int], tuple[str, float]]:
+    """``{(file name, line): (source text, value)}`` of one CSV (CUDA-line rows only).
+
+    The value is the stall-sample column (the fifth), or the column whose header is ``column`` (e.g.
+    ``Instructions Executed``), found in each header row.
+    """
     lines: dict[tuple[str, int], tuple[str, float]] = {}
     current = ""
+    index = 4
     with open(path, encoding="utf-8", errors="replace") as handle:
         for record in csv.reader(handle):
+            if record and record[0] == "Line No" and column is not None:
+                if column not in record:
+                    raise SystemExit(f"{path}: no column {column!r} in the header {record}")
+                index = record.index(column)
+                continue
             if not record or record[0] in ("Function Name", "Line No", "Kernel Name", ""):
                 continue
             if record[0] == "File Path":
                 current = os.path.basename(record[1])
                 continue
             try:
-                samples = float(record[4].replace(",", ""))
+                samples = float(record[index].replace(",", ""))
             except (IndexError, ValueError):
                 continue
             lines[(current, int(record[0]))] = (record[1].strip(), samples)
@@ -37,8 +47,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("csv_paths", nargs="+", help="source-cuda-*.csv of the launches to compare")
     parser.add_argument("--count", type=int, default=55, help="lines to print [55]")
+    parser.add_argument("--column", default=None, help="header of the column to rank by [stall samples]")
     args = parser.parse_args()
-    data = [load_lines(p) for p in args.csv_paths]
+    data = [load_lines(p, args.column) for p in args.csv_paths]
     totals = [sum(s for _, s in d.values()) or 1.0 for d in data]
     print("launches:", ", ".join(f"{os.path.basename(p)} ({t:.0f} samples)" for p, t in zip(args.csv_paths, totals)))
     keys = set().union(*data)
