@@ -11,14 +11,12 @@ host sync.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from test_triton_index import _compare, _reference_ratios
+from test_triton_index import EXTREME_LOGIT_CASES, _compare, _reference_ratios, _shift_logits
 
 from fpv2.index.config import SelectionConfig
 from fpv2.index.reference import select_blocks
@@ -194,38 +192,9 @@ def test_hopper_scoring_32k_planted_equals_triton(monkeypatch) -> None:
     assert differ <= kept // 10000
 
 
-def _shift_logits(w, kv_head: int, shift_log2: float, block: int | None) -> None:
-    """Add about ``shift_log2`` (log2 units) to the logits of KV head ``kv_head``'s segments, in place.
-
-    The last coordinate of every query of the head's group becomes ``A`` and that of its keys ``C`` with
-    ``A * C * scale * log2(e) = shift_log2``: for every key (``block`` None) or only the tokens of key block
-    ``block`` of the first request (a key that outgrows the ones scored before it).
-    """
-    d = w.q.shape[2]
-    group = w.q.shape[1] // w.k_cache.shape[2]
-    product = abs(shift_log2) / (d**-0.5 * math.log2(math.e))
-    a = math.copysign(math.sqrt(product), shift_log2)
-    c = math.sqrt(product)
-    w.q[:, kv_head * group : (kv_head + 1) * group, d - 1] = a
-    if block is None:
-        w.k_cache[:, :, kv_head, d - 1] = c
-        return
-    page_size = w.k_cache.shape[1]
-    positions = torch.arange(block * 128, (block + 1) * 128, device=w.q.device)
-    pages = w.batch.page_table[0, positions // page_size].long()
-    w.k_cache[pages, positions % page_size, kv_head, d - 1] = c
-
-
 @gpu
 @needs_hopper
-@pytest.mark.parametrize(
-    ("shift_log2", "block"),
-    [
-        pytest.param(200.0, None, id="every-logit-up-200"),  # sums of 2^s overflow without an offset
-        pytest.param(-200.0, None, id="every-logit-down-200"),  # and underflow
-        pytest.param(150.0, 100, id="late-key-up-150"),  # outgrows the running maximum of the first step
-    ],
-)
+@pytest.mark.parametrize(("shift_log2", "block"), EXTREME_LOGIT_CASES)
 def test_hopper_scoring_extreme_logits_match_reference(monkeypatch, shift_log2, block) -> None:
     """Logits far outside the usual range take the kernel's exact-offset path; the index must not move.
 
@@ -243,9 +212,8 @@ def test_hopper_scoring_extreme_logits_match_reference(monkeypatch, shift_log2, 
     flips, scored = _compare(got, ref, ratios, config.alpha)
     assert scored > 0, "the case scores nothing: it would not test the kernel"
     assert flips <= max(2, scored // 1000)
-    if block is not None:  # the late key dominates KV head 0's tiles that see it
-        mask = got.to_dense_mask(ratios.shape[1]).cpu()
-        assert bool(mask[: mask.shape[0] // 2, block].any())
+    if block is not None:  # the late key dominates KV head 0's tiles
+        assert bool(got.to_dense_mask(ratios.shape[1])[: got.num_segments // 2, block].all())
 
 
 @gpu

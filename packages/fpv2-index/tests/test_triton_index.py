@@ -123,6 +123,36 @@ def _reference_ratios(q, batch, stats, config, q_descale=None) -> torch.Tensor:
     return torch.cat(out) if out else torch.zeros(0, nb_max)
 
 
+def _shift_logits(w, kv_head: int, shift_log2: float, block: int | None) -> None:
+    """Add about ``shift_log2`` (log2 units) to the logits of KV head ``kv_head``'s segments, in place.
+
+    The last coordinate of every query of the head's group becomes ``A`` and that of its keys ``C`` with
+    ``A * C * scale * log2(e) = shift_log2``: for every key (``block`` None) or only the tokens of key block
+    ``block`` of the first request (a key that outgrows the ones scored before it).
+    """
+    d = w.q.shape[2]
+    group = w.q.shape[1] // w.k_cache.shape[2]
+    product = abs(shift_log2) / (d**-0.5 * math.log2(math.e))
+    a = math.copysign(math.sqrt(product), shift_log2)
+    c = math.sqrt(product)
+    w.q[:, kv_head * group : (kv_head + 1) * group, d - 1] = a
+    if block is None:
+        w.k_cache[:, :, kv_head, d - 1] = c
+        return
+    page_size = w.k_cache.shape[1]
+    positions = torch.arange(block * 128, (block + 1) * 128, device=w.q.device)
+    pages = w.batch.page_table[0, positions // page_size].long()
+    w.k_cache[pages, positions % page_size, kv_head, d - 1] = c
+
+
+#: (shift in log2 units, block or None) cases of _shift_logits: logits far outside the planted workload's range.
+EXTREME_LOGIT_CASES = [
+    pytest.param(200.0, None, id="every-logit-up-200"),  # sums of 2^s overflow without an offset
+    pytest.param(-200.0, None, id="every-logit-down-200"),  # and underflow
+    pytest.param(150.0, 100, id="late-key-up-150"),  # outgrows the running maximum of the first 64 keys
+]
+
+
 def _compare(got: BlockIndex, ref: BlockIndex, ratios: torch.Tensor, alpha: float) -> tuple[int, int]:
     """Assert ``got`` equals ``ref`` except near-threshold flips; return ``(flips, scored pairs)``."""
     assert torch.equal(got.tile_offsets.cpu(), ref.tile_offsets.cpu())
@@ -375,6 +405,27 @@ def test_energies_match_reference(probe: int, dtype: torch.dtype) -> None:
     assert torch.isfinite(ratios).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16 rounds the pooled keys for the dot
     torch.testing.assert_close(got, ratios, rtol=tol, atol=1e-12)
+
+
+@pytest.mark.parametrize(("shift_log2", "block"), EXTREME_LOGIT_CASES)
+def test_select_extreme_logits_match_reference(shift_log2: float, block: int | None) -> None:
+    """Logits hundreds of log2 units from zero, or one late key far above the earlier ones: same index.
+
+    KV head 0 gets the shift, KV head 1 is the control; 2,048 queries after a 14,336-token prefix (128 key
+    blocks, more than one step of the pass).
+    """
+    torch.manual_seed(11)
+    w = planted_workload([2048], [16384], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                         dtype=torch.bfloat16, device=DEVICE)  # fmt: skip
+    _shift_logits(w, 0, shift_log2, block)
+    config = SelectionConfig(min_sparse_kv_len=0)
+    stats = pool_blocks(w.k_cache, None, w.batch, block_size=config.block_size)
+    got = select_blocks_triton(w.q, w.batch, stats, config=config)
+    ratios = _reference_ratios(w.q, w.batch, stats, config)
+    flips, scored = _compare(got, select_blocks(w.q, w.batch, stats, config=config), ratios, config.alpha)
+    assert scored > 0 and flips <= max(2, scored // 1000)
+    if block is not None:  # the late key dominates KV head 0's tiles
+        assert bool(got.to_dense_mask(ratios.shape[1])[: got.num_segments // 2, block].all())
 
 
 def test_pool_and_select_end_to_end() -> None:
