@@ -4,7 +4,8 @@ CPU tests check the switch: its modes, the reasons it gives for calls the kernel
 ``hopper`` refuses such calls with that reason instead of falling back silently. ``gpu`` tests (an sm_90
 GPU and a library built with the Hopper code) run the kernel over a grid of head dims, dtypes, GQA groups,
 block sizes, varlen batches with cached prefixes and rule settings: its index must equal the reference's
-and the Triton pass's except at blocks whose reference energy ratio lies within rounding of ``alpha``;
+and the Triton pass's except at blocks whose reference energy ratio lies within rounding of ``alpha``, also
+for logits hundreds of log2 units from zero (the kernel's exact-offset path);
 keep bits left in a reused workspace by an earlier call must not leak into a later one; the call makes no
 host sync.
 """
