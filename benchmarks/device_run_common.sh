@@ -87,6 +87,21 @@ attention_probe() {
   echo "attention $1 $3: rc=$?"
 }
 
+# ROUNDS rounds of attention_probe at 128K and 32K, the libraries LABEL=FOLDER alternating within each round:
+# attention_rounds ROUNDS MODES FILE LABEL=FOLDER...
+attention_rounds() {
+  local rounds="$1" modes="$2" file="$3"
+  shift 3
+  for round in $(seq "$rounds"); do
+    for seqlen in 131072 32768; do
+      for library in "$@"; do
+        attention_probe "${library%%=*}" "${library#*=}" "$seqlen" "$modes" "$file"
+      done
+    done
+    echo "round $round done"
+  done
+}
+
 # The median and minimum lines of attention_probe's JSON file: attention_table FILE
 attention_table() {
   python3 -c '

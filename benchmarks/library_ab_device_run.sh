@@ -26,13 +26,7 @@ if [ ! -f "$ROOT/$CANDIDATE_BIN/libfpv2_kernel.so" ]; then
 fi
 
 if [ "$PART" = speed ]; then
-  for round in $(seq "${ROUNDS:-2}"); do
-    for seqlen in 131072 32768; do
-      attention_probe shipped "$BIN" "$seqlen" off,mean,second_order attention-ab.jsonl
-      attention_probe "$LABEL" "$CANDIDATE_BIN" "$seqlen" off,mean,second_order attention-ab.jsonl
-    done
-    echo "round $round done"
-  done
+  attention_rounds "${ROUNDS:-2}" off,mean,second_order attention-ab.jsonl "shipped=$BIN" "$LABEL=$CANDIDATE_BIN"
   attention_table attention-ab.jsonl
 fi
 

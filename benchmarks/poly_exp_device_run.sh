@@ -43,14 +43,7 @@ if [ "$PART" = ab ]; then
   for columns in 2 3; do
     FPV2_SCORE_POLY_EXP=$columns gpu_tests "scoring-poly$columns" 90 packages/fpv2-index/tests/test_hopper_scoring.py -m gpu
   done
-  for round in 1 2; do
-    for seqlen in 131072 32768; do
-      attention_probe head "${BIN:-.carry/head}" "$seqlen" off,mean attention-poly.jsonl
-      attention_probe poly2 "$POLY2_BIN" "$seqlen" off,mean attention-poly.jsonl
-      attention_probe poly3 "$POLY3_BIN" "$seqlen" off,mean attention-poly.jsonl
-    done
-    echo "round $round done"
-  done
+  attention_rounds 2 off,mean attention-poly.jsonl "head=$BIN" "poly2=$POLY2_BIN" "poly3=$POLY3_BIN"
   attention_table attention-poly.jsonl
 fi
 

@@ -20,22 +20,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from attention_switch_probe import timed  # this folder, first on sys.path when run as a script
 
 from fpv2.index.config import SelectionConfig
 from fpv2.index.triton import IndexWorkspace, pool_blocks_triton, select_blocks_triton
 from fpv2.index.triton.hopper_scoring import SCORING_ENV
 from fpv2.kernel.testing import planted_workload
-
-
-def timed(call, calls: int) -> float:
-    """Milliseconds per call of ``calls`` calls issued back to back between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def scoring_kernel_us(call, calls: int) -> float:
