@@ -5,31 +5,36 @@
 #
 #   benchmarks/library_ab_device_run.sh speed  attention_switch_probe.py on the planted workload (page 1, alpha 0.1)
 #                                              at 128K and 32K, correction off / mean / second order, one library
-#                                              per process, the two alternating, ROUNDS rounds [2]
-#   benchmarks/library_ab_device_run.sh tests  the Hopper kernel's GPU suite on CANDIDATE_BIN
+#                                              per process, the shipped one and the candidates alternating,
+#                                              ROUNDS rounds [2]
+#   benchmarks/library_ab_device_run.sh tests  the Hopper kernel's GPU suite on each candidate
 #
 # The prediction belongs to the experiment (benchmarks/experiments/README.md): copy it into the notes before
 # the run.
 #
-# Environment: BIN [.carry/head], CANDIDATE_BIN [.carry/candidate], LABEL (the experiment's name) [candidate],
-# ROUNDS [2]; OUT.
+# Environment: BIN [.carry/head]; the candidates as CANDIDATES="LABEL=FOLDER ..." or one as CANDIDATE_BIN
+# [.carry/candidate] with LABEL (the experiment's name) [candidate]; ROUNDS [2]; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start library-ab "${1:-speed}" "${BIN:-.carry/head}"
 RESULTS="$OUT"
-CANDIDATE_BIN="${CANDIDATE_BIN:-.carry/candidate}"
-LABEL="${LABEL:-candidate}"
-if [ ! -f "$ROOT/$CANDIDATE_BIN/libfpv2_kernel.so" ]; then
-  echo "library_ab_device_run: no libfpv2_kernel.so in $CANDIDATE_BIN"
-  exit 1
-fi
+read -r -a CANDIDATE_LIST <<< "${CANDIDATES:-${LABEL:-candidate}=${CANDIDATE_BIN:-.carry/candidate}}"
+for candidate in "${CANDIDATE_LIST[@]}"; do
+  if [ ! -f "$ROOT/${candidate#*=}/libfpv2_kernel.so" ]; then
+    echo "library_ab_device_run: no libfpv2_kernel.so in ${candidate#*=}"
+    exit 1
+  fi
+done
 
 if [ "$PART" = speed ]; then
-  attention_rounds "${ROUNDS:-2}" off,mean,second_order attention-ab.jsonl "shipped=$BIN" "$LABEL=$CANDIDATE_BIN"
+  attention_rounds "${ROUNDS:-2}" off,mean,second_order attention-ab.jsonl "shipped=$BIN" "${CANDIDATE_LIST[@]}"
   attention_table attention-ab.jsonl
 fi
 
 if [ "$PART" = tests ]; then
-  BIN="$CANDIDATE_BIN" gpu_tests hopper-kernel 300 packages/fpv2-kernel/tests/test_hopper_kernel.py -m hopper
+  for candidate in "${CANDIDATE_LIST[@]}"; do
+    BIN="${candidate#*=}" gpu_tests "hopper-kernel-${candidate%%=*}" 300 packages/fpv2-kernel/tests/test_hopper_kernel.py \
+      -m hopper
+  done
 fi
