@@ -12,7 +12,7 @@
 # The prediction belongs to the experiment (benchmarks/experiments/README.md): copy it into the notes before
 # the run.
 #
-# Environment: BIN [.carry/head]; the candidates as CANDIDATES="LABEL=FOLDER ..." or one as CANDIDATE_BIN
+# Environment: BIN [.carry/head]; MODES (correction modes of the speed part) [off,mean,second_order]; the candidates as CANDIDATES="LABEL=FOLDER ..." or one as CANDIDATE_BIN
 # [.carry/candidate] with LABEL (the experiment's name) [candidate]; ROUNDS [2]; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
@@ -28,7 +28,7 @@ for candidate in "${CANDIDATE_LIST[@]}"; do
 done
 
 if [ "$PART" = speed ]; then
-  attention_rounds "${ROUNDS:-2}" off,mean,second_order attention-ab.jsonl "shipped=$BIN" "${CANDIDATE_LIST[@]}"
+  attention_rounds "${ROUNDS:-2}" "${MODES:-off,mean,second_order}" attention-ab.jsonl "shipped=$BIN" "${CANDIDATE_LIST[@]}"
   attention_table attention-ab.jsonl
 fi
 
