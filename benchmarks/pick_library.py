@@ -30,9 +30,7 @@ def row_medians(lines: list[str]) -> dict[str, dict[tuple[int, str], float]]:
         record = json.loads(line)
         (median,) = record["median_ms"].values()  # one setting per process
         samples[record["label"]][(int(record["seqlen"]), record["mode"])].append(float(median))
-    return {
-        label: {row: statistics.median(values) for row, values in rows.items()} for label, rows in samples.items()
-    }
+    return {label: {row: statistics.median(values) for row, values in rows.items()} for label, rows in samples.items()}
 
 
 def pick(
