@@ -4,7 +4,7 @@
 # sources and the library in $BIN (nothing of the project is installed on the device); bench_row runs one fpv2 bench
 # row of the planted pipeline into $RESULTS (set by the script); gpu_tests runs pytest into $LOGS; summary reads a
 # native timing log; host_breakdown_128k runs the host breakdown of a 128K call; with_clocks samples the GPU's clock
-# while a command runs.
+# while a command runs; read_candidates, attention_rounds and attention_table drive library A/Bs.
 device_run_start() {
   ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
   cd "$ROOT" || exit 1
@@ -75,6 +75,19 @@ with_clocks() {
   wait "$sampler" 2> /dev/null
   echo "clocks ($name): $(tail -n +2 "$RESULTS/clocks-$name.csv" | awk -F', ' '{print $2}' | sort -n | uniq -c |
     sort -rn | head -4 | tr '\n' ';')"
+}
+
+# CANDIDATE_LIST from a list "LABEL=FOLDER ...", every FOLDER checked for its libfpv2_kernel.so (a missing one
+# ends the script: its rows would time nothing): read_candidates LIST
+read_candidates() {
+  read -r -a CANDIDATE_LIST <<< "$1"
+  local candidate
+  for candidate in "${CANDIDATE_LIST[@]}"; do
+    if [ ! -f "$ROOT/${candidate#*=}/libfpv2_kernel.so" ]; then
+      echo "read_candidates: no libfpv2_kernel.so in ${candidate#*=} (decompress the carried .xz first?)"
+      exit 1
+    fi
+  done
 }
 
 # The Hopper attention kernel alone (attention_switch_probe.py, planted, page 1) with the library in FOLDER, its

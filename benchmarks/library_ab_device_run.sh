@@ -12,20 +12,15 @@
 # The prediction belongs to the experiment (benchmarks/experiments/README.md): copy it into the notes before
 # the run.
 #
-# Environment: BIN [.carry/head]; MODES (correction modes of the speed part) [off,mean,second_order]; the candidates as CANDIDATES="LABEL=FOLDER ..." or one as CANDIDATE_BIN
-# [.carry/candidate] with LABEL (the experiment's name) [candidate]; ROUNDS [2]; OUT.
+# Environment: BIN [.carry/head]; MODES (correction modes of the speed part) [off,mean,second_order]; the
+# candidates as CANDIDATES="LABEL=FOLDER ..." or one as CANDIDATE_BIN [.carry/candidate] with LABEL (the
+# experiment's name) [candidate]; ROUNDS [2]; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start library-ab "${1:-speed}" "${BIN:-.carry/head}"
 RESULTS="$OUT"
-read -r -a CANDIDATE_LIST <<< "${CANDIDATES:-${LABEL:-candidate}=${CANDIDATE_BIN:-.carry/candidate}}"
-for candidate in "${CANDIDATE_LIST[@]}"; do
-  if [ ! -f "$ROOT/${candidate#*=}/libfpv2_kernel.so" ]; then
-    echo "library_ab_device_run: no libfpv2_kernel.so in ${candidate#*=}"
-    exit 1
-  fi
-done
+read_candidates "${CANDIDATES:-${LABEL:-candidate}=${CANDIDATE_BIN:-.carry/candidate}}"
 
 if [ "$PART" = speed ]; then
   attention_rounds "${ROUNDS:-2}" "${MODES:-off,mean,second_order}" attention-ab.jsonl "shipped=$BIN" "${CANDIDATE_LIST[@]}"

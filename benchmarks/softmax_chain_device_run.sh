@@ -51,7 +51,7 @@ fi
 if [ "$PART" = ab-land ]; then
   # The candidates' attention A/B (attention_rounds: 128K and 32K, correction off and mean, ROUNDS rounds), then
   # the landing checks on the winner that pick_library.py names (>= 1.5% faster at 128K mean, no row > 1% slower).
-  read -r -a CANDIDATE_LIST <<< "${CANDIDATES:?CANDIDATES=\"LABEL=FOLDER ...\" names the candidate libraries}"
+  read_candidates "${CANDIDATES:?CANDIDATES=\"LABEL=FOLDER ...\" names the candidate libraries}"
   attention_rounds "${ROUNDS:-2}" off,mean attention-ab.jsonl "shipped=$BIN" "${CANDIDATE_LIST[@]}"
   attention_table attention-ab.jsonl
   WINNER="$(python3 benchmarks/pick_library.py "$RESULTS/attention-ab.jsonl" "${CANDIDATE_LIST[@]}" 2> "$RESULTS/pick.txt")"
