@@ -13,7 +13,9 @@
 #                                                then part land's checks on the winner (pick_library.py), if any
 #
 # Prediction: the A/B of the speed part (library_ab_device_run.sh) carries over to the pipeline's attention
-# stage; the tests pass (the lse moves only by the bf16 rounding of P in the sums).
+# stage; the tests pass (the lse moves only by the bf16 rounding of P in the sums). The bench rows sample the SM
+# clock (with_clocks): the 4 x 128K row's attention is ~3% more than four 128K rows' (26th session: 46.92 against
+# 4 x 11.39 ms); if its median clock is >= 3% below the 128K row's, that excess is the power state, not the kernel.
 #
 # Environment: BIN folder with libfpv2_kernel.so [.carry/head]; CANDIDATES and ROUNDS (part ab-land); OUT.
 set -u -o pipefail
@@ -27,6 +29,7 @@ KT=packages/fpv2-kernel/tests/test_hopper_kernel.py
 # The landing checks of the library in $BIN, most needed first: the Hopper kernel's GPU suite, memcheck of two
 # corrected kernel cases (page-1 gather and TMA), fpv2 bench of the planted 1 x 128K row (page 1, Hopper backend,
 # mean correction), then the second-order shift's and the native ABI's GPU tests, racecheck, and the 4 x 128K row.
+# The bench rows run under with_clocks.
 land_checks() {
   gpu_tests hopper-kernel 200 "$KT" -m hopper
   local cases=("$KT::test_sparse_with_and_without_correction[128-4-1-True]"
@@ -37,11 +40,11 @@ land_checks() {
     echo "$1: rc=$? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$LOGS/$1.log" | tr '\n' ' ' | cut -c1-200)"
   }
   sanitize memcheck
-  bench_row 1 131072 bench-128k-planted-page1 120 --page-size 1 --backend hopper
+  with_clocks 128k bench_row 1 131072 bench-128k-planted-page1 120 --page-size 1 --backend hopper
   gpu_tests second-order 90 packages/fpv2-kernel/tests/test_second_order_shift.py -m "hopper or gpu"
   gpu_tests native 60 packages/fpv2-kernel/tests/test_native_abi.py
   sanitize racecheck
-  bench_row 4 131072 bench-4x128k-planted-page1 150 --page-size 1 --backend hopper
+  with_clocks 4x128k bench_row 4 131072 bench-4x128k-planted-page1 150 --page-size 1 --backend hopper
 }
 
 if [ "$PART" = land ]; then

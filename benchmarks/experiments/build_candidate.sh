@@ -34,5 +34,6 @@ mkdir -p "$OUT_DIR"
 ninja -C "$WORK/build" libfpv2_kernel.so > "$OUT_DIR/ptxas.log" 2>&1 ||
   { tail -30 "$OUT_DIR/ptxas.log"; exit 1; }
 xz -T2 -6 -c "$WORK/build/libfpv2_kernel.so" > "$OUT_DIR/libfpv2_kernel.so.xz"
-echo "built ${PATCHES[*]+${PATCHES[*]##*/}}${FLAGS:+ ($FLAGS)} into ${OUT_DIR#"$ROOT"/};" \
+NAMES="${PATCHES[*]+${PATCHES[*]##*/}}"
+echo "built ${NAMES:-the shipped tree}${FLAGS:+ ($FLAGS)} into ${OUT_DIR#"$ROOT"/};" \
   "instances with spills: $(grep -c '[1-9][0-9]* bytes spill stores' "$OUT_DIR/ptxas.log")"
