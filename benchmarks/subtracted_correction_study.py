@@ -21,6 +21,12 @@ kernels' numerics make of it is measured here, on the PyTorch reference, against
   of a kept block's term do not cancel exactly; a denominator that the subtraction takes to zero or below is
   clamped to the exact kept keys' mass (counted).
 
+Design B of the notes also moves the selection into the attention kernel, which would take each block's energy
+from the pooled pass's own probabilities: per step of ``B_STEP_BLOCKS`` pooled columns, ``P_rJ = 2^(s_rJ - m_r)``
+against the row's running maximum, rounded to bf16, summed over the tile's rows with bf16 weights
+``2^(m_r - M)`` (``M`` the step's largest ``m_r``). ``b_energies`` runs the reference pipeline with those energies
+in place of the exact ones and records how many kept (segment, block) pairs change and the corrected error then.
+
 For each workload, length and alpha it prints and records the density, the relative L2 error against dense
 of no correction, today's correction and both variants, the variants' distance to today's corrected output,
 the largest ``max_J s_rJ - c_r`` (how far a later block rises above the first step's offset) and the clamped
@@ -36,11 +42,14 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from correction_study_common import grouped_bars, record_header, run_grid, save_figure, study_inputs, study_parser
 
 from fpv2.index import SelectionConfig
+from fpv2.index.reference import TileEnergies, block_logits, contribution_mask
+from fpv2.index.reference import selection as reference_selection
 from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch, TileSpan, tile_span
 from fpv2.kernel.reference import sparse as reference_sparse
 from fpv2.kernel.reference.attention import dense_attention, masked_softmax
@@ -51,6 +60,8 @@ from fpv2.serving.pipeline import SparsePrefillPipeline
 
 #: The scoring kernel's step: its first step's logits give the aggregate's offset in the ``kernel`` variant.
 FIRST_STEP_BLOCKS = 64
+#: Pooled columns per step of the attention kernel's pooled pass (design B's energies).
+B_STEP_BLOCKS = 128
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +209,62 @@ def subtracted_attention(
     return out, tally
 
 
+class AttentionLayoutEnergies:
+    """A stand-in for the reference's ``block_energies`` with design B's numerics (counts its calls)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, rows, row_positions, num_scored, pooled_k, *, scale, block_size) -> TileEnergies:
+        """Energies of ``T`` tiles relative to their peak, from bf16 probabilities against running row maxima."""
+        self.calls += 1
+        num_tiles, num_blocks = rows.shape[0], pooled_k.shape[0]
+        logits = block_logits(rows, pooled_k, scale)
+        mask = contribution_mask(row_positions, num_scored, 0, num_blocks, block_size)
+        logits = torch.where(mask, logits, torch.full_like(logits, -math.inf))
+        energies = torch.full((num_tiles, num_blocks), -math.inf)
+        running = torch.full(rows.shape[:2], -math.inf)
+        for begin in range(0, num_blocks, B_STEP_BLOCKS):
+            step = logits[:, :, begin : begin + B_STEP_BLOCKS]
+            running = torch.maximum(running, step.amax(dim=2))
+            finite = torch.isfinite(running)
+            row_max = torch.where(finite, running, torch.zeros_like(running))
+            probs = bf16(torch.exp2(step - row_max[:, :, None]))
+            peak = torch.where(finite, running, torch.full_like(running, -math.inf)).amax(dim=1, keepdim=True)
+            peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+            weights = bf16(torch.where(finite, torch.exp2(row_max - peak), torch.zeros_like(row_max)))
+            sums = torch.einsum("tr,trj->tj", weights, probs)
+            energies[:, begin : begin + B_STEP_BLOCKS] = peak + torch.log2(sums)
+        tile_max = energies.amax(dim=1) if num_blocks else torch.full((num_tiles,), -math.inf)
+        shift = torch.where(torch.isfinite(tile_max), tile_max, torch.zeros_like(tile_max))
+        return TileEnergies(torch.exp2(energies - shift[:, None]), tile_max)
+
+
+def kept_pairs(index: BlockIndex) -> set[tuple[int, int]]:
+    """The index's (segment, block) pairs."""
+    offsets, blocks = index.offsets.tolist(), index.blocks.tolist()
+    return {(s, j) for s in range(len(offsets) - 1) for j in blocks[offsets[s] : offsets[s + 1]]}
+
+
+def b_energies(q, k, v, batch, alpha: float, today_index: BlockIndex, dense: torch.Tensor) -> dict[str, object]:
+    """The reference pipeline with design B's energies: changed kept pairs, density and corrected error."""
+    energies = AttentionLayoutEnergies()
+    with mock.patch.object(reference_selection, "block_energies", energies):
+        result = SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend="reference")(q, k, v, batch)
+    if energies.calls == 0:
+        raise SystemExit("the reference selection did not call block_energies: the patch measured nothing")
+    today, other = kept_pairs(today_index), kept_pairs(result.index)
+    return {
+        "b_added_pairs": len(other - today),
+        "b_dropped_pairs": len(today - other),
+        "b_kept_pairs_today": len(today),
+        "b_density": result.index.density(batch),
+        "b_rel_err": relative_l2_error(
+            reference_sparse.sparse_attention(q, k, v, batch, result.index, plan=result.plan), dense
+        ),
+    }
+
+
 def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) -> dict[str, object]:
     """Errors of one (workload, length, alpha): no correction, today's correction and the two subtracted forms."""
     q, k, v, batch = study_inputs(workload, seqlen, args)
@@ -220,7 +287,11 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
         record["kept_eligible_share"] = tally.kept_eligible / max(tally.eligible, 1)
         line += f", {name} {record[f'rel_err_{name}']:.4f} (to today {record[f'distance_to_today_{name}']:.1e}"
         line += f", clamped {tally.clamped_rows}/{tally.rows}, rise {tally.max_rise:.2f})"
-    print(line + f"; kept share of eligible {record['kept_eligible_share']:.3f}", flush=True)
+    line += f"; kept share of eligible {record['kept_eligible_share']:.3f}"
+    record.update(b_energies(q, k, v, batch, alpha, index, dense))
+    line += f"; B energies: +{record['b_added_pairs']} -{record['b_dropped_pairs']} of {record['b_kept_pairs_today']}"
+    line += f" kept pairs, error {record['b_rel_err']:.4f}"
+    print(line, flush=True)
     if record["distance_to_today_exact"] > 1e-4:
         distance = record["distance_to_today_exact"]
         raise SystemExit(f"the exact decomposition differs from today's correction: {distance}")
