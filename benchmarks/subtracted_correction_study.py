@@ -1,8 +1,8 @@
 """The mean correction as *all* eligible pooled terms minus the kept ones: its numerics on the reference.
 
-The design question (benchmarks/NOTES.md, twenty-ninth session): the index's scoring pass already computes
-the logit ``s_rJ = q_r . kbar_J * scale`` of every row and every eligible block and exponentiates it. If it
-also accumulated the pooled terms of all eligible blocks,
+The numerics of the fused designs (a) and (b) of benchmarks/NOTES.md's nineteenth session: the index's scoring pass
+already computes the logit ``s_rJ = q_r . kbar_J * scale`` of every row and every eligible block and exponentiates
+it. If it also accumulated the pooled terms of all eligible blocks,
 
     l_all_r = sum_J |B_J| exp(s_rJ - c_r),   O_all_r = sum_J |B_J| exp(s_rJ - c_r) vbar_J
 
@@ -21,7 +21,7 @@ kernels' numerics make of it is measured here, on the PyTorch reference, against
   of a kept block's term do not cancel exactly; a denominator that the subtraction takes to zero or below is
   clamped to the exact kept keys' mass (counted).
 
-Design B of the notes also moves the selection into the attention kernel, which would take each block's energy
+Design (b) also moves the selection into the attention kernel, which would take each block's energy
 from the pooled pass's own probabilities: per step of ``B_STEP_BLOCKS`` pooled columns, ``P_rJ = 2^(s_rJ - m_r)``
 against the row's running maximum, rounded to bf16, summed over the tile's rows with bf16 weights
 ``2^(m_r - M)`` (``M`` the step's largest ``m_r``). ``b_energies`` runs the reference pipeline with those energies
@@ -50,9 +50,16 @@ from correction_study_common import grouped_bars, record_header, run_grid, save_
 from fpv2.index import SelectionConfig
 from fpv2.index.reference import TileEnergies, block_logits, contribution_mask
 from fpv2.index.reference import selection as reference_selection
-from fpv2.kernel.contracts import BlockIndex, BlockStatistics, PagedPrefillBatch, TileSpan, tile_span
+from fpv2.kernel.contracts import (
+    BlockIndex,
+    BlockStatistics,
+    PagedPrefillBatch,
+    TileSpan,
+    tile_span,
+    validate_prefill_inputs,
+)
 from fpv2.kernel.reference import sparse as reference_sparse
-from fpv2.kernel.reference.attention import dense_attention, masked_softmax
+from fpv2.kernel.reference.attention import dense_attention, masked_softmax, request_operands, resolve_scale
 from fpv2.kernel.reference.packgqa import pack_queries, packed_rows_to_position_head
 from fpv2.kernel.reference.sparse import tile_token_mask
 from fpv2.serving.metrics import relative_l2_error
@@ -60,7 +67,7 @@ from fpv2.serving.pipeline import SparsePrefillPipeline
 
 #: The scoring kernel's step: its first step's logits give the aggregate's offset in the ``kernel`` variant.
 FIRST_STEP_BLOCKS = 64
-#: Pooled columns per step of the attention kernel's pooled pass (design B's energies).
+#: Pooled columns per step of the attention kernel's pooled pass (design (b)'s energies).
 B_STEP_BLOCKS = 128
 
 
@@ -154,24 +161,22 @@ def subtracted_attention(
     stats: BlockStatistics,
     kernel: bool,
 ) -> tuple[torch.Tensor, Tally]:
-    """The corrected attention of one-request inputs through :func:`subtracted_tile` (fp32 operands)."""
-    host = batch.host
-    group = q.shape[1] // k.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[2])
+    """Today's corrected attention of the batch, computed as all eligible pooled terms minus the kept ones."""
+    shapes = validate_prefill_inputs(q, k, v, batch)
+    group, scale = shapes.group, resolve_scale(None, shapes.head_dim)
     out = torch.zeros_like(q)
     tally = Tally()
     tile_offsets = index.tile_offsets.tolist()
     offsets = index.offsets.tolist()
     blocks = index.blocks.tolist()
     block_offsets = stats.block_offsets.tolist()
+    host = batch.host
     for b in range(batch.num_requests):
         q_len, prefix, kv_len, start = host.q_lens[b], host.prefix[b], host.seqlens_k[b], host.cu_seqlens_q[b]
-        pages = batch.page_table[b, : -(-kv_len // k.shape[1])].long()
-        k_b = k[pages].flatten(0, 1)[:kv_len]  # (kv_len, Hkv, d)
-        v_b = v[pages].flatten(0, 1)[:kv_len]
+        q_b, k_b, v_b = request_operands(q, k, v, batch, b, shapes, torch.float32)
         ntiles = tile_offsets[b + 1] - tile_offsets[b]
-        for h in range(k.shape[2]):
-            packed = pack_queries(q[start : start + q_len], group, h)
+        for h in range(shapes.num_kv_heads):
+            packed = pack_queries(q_b, group, h)
             for t in range(ntiles):
                 s = index.num_kv_heads * tile_offsets[b] + h * ntiles + t
                 span: TileSpan = tile_span(
@@ -183,7 +188,7 @@ def subtracted_attention(
                 eligible = span.num_correctable_blocks
                 if eligible == 0:
                     tile_out, _ = masked_softmax(
-                        ((rows @ k_b[tokens, h].T) / math.sqrt(q.shape[2])).masked_fill(~allowed, -math.inf),
+                        ((rows @ k_b[tokens, h].T) * scale).masked_fill(~allowed, -math.inf),
                         v_b[tokens, h],
                     )
                 else:
@@ -210,7 +215,7 @@ def subtracted_attention(
 
 
 class AttentionLayoutEnergies:
-    """A stand-in for the reference's ``block_energies`` with design B's numerics (counts its calls)."""
+    """A stand-in for the reference's ``block_energies`` with design (b)'s numerics (counts its calls)."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -247,7 +252,7 @@ def kept_pairs(index: BlockIndex) -> set[tuple[int, int]]:
 
 
 def b_energies(q, k, v, batch, alpha: float, today_index: BlockIndex, dense: torch.Tensor) -> dict[str, object]:
-    """The reference pipeline with design B's energies: changed kept pairs, density and corrected error."""
+    """The reference pipeline with design (b)'s energies: changed kept pairs, density and corrected error."""
     energies = AttentionLayoutEnergies()
     with mock.patch.object(reference_selection, "block_energies", energies):
         result = SparsePrefillPipeline(SelectionConfig(alpha=alpha), backend="reference")(q, k, v, batch)
@@ -284,9 +289,9 @@ def study(workload: str, seqlen: int, alpha: float, args: argparse.Namespace) ->
         record[f"distance_to_today_{name}"] = relative_l2_error(out, today)
         record[f"clamped_rows_{name}"] = tally.clamped_rows
         record[f"max_rise_{name}"] = tally.max_rise
-        record["kept_eligible_share"] = tally.kept_eligible / max(tally.eligible, 1)
         line += f", {name} {record[f'rel_err_{name}']:.4f} (to today {record[f'distance_to_today_{name}']:.1e}"
         line += f", clamped {tally.clamped_rows}/{tally.rows}, rise {tally.max_rise:.2f})"
+    record["kept_eligible_share"] = tally.kept_eligible / max(tally.eligible, 1)  # the same in both variants
     line += f"; kept share of eligible {record['kept_eligible_share']:.3f}"
     record.update(b_energies(q, k, v, batch, alpha, index, dense))
     line += f"; B energies: +{record['b_added_pairs']} -{record['b_dropped_pairs']} of {record['b_kept_pairs_today']}"

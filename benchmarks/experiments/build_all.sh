@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the libraries of the one-call device plan (README.md in this folder) into .carry/, one after the
+# Builds the libraries of the device plan (README.md in this folder) into .carry/, one after the
 # other (25-30 minutes on two cores; start it first thing in a session: .carry/ does not outlive the checkout):
 #
 #   benchmarks/experiments/build_all.sh [NAME...]
@@ -25,16 +25,16 @@ build() {
       ;;
   esac
 }
+NAMES=("$@")
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(head rowsum treemax both half zero-offset)
 status=0
-for name in "${@:-head rowsum treemax both half zero-offset}"; do
-  for one in $name; do
-    start=$SECONDS
-    if CANDIDATE="$one" build "$one"; then
-      echo "build_all: $one done in $((SECONDS - start)) s"
-    else
-      echo "build_all: $one FAILED (.carry/$one/ptxas.log)"
-      status=1
-    fi
-  done
+for name in "${NAMES[@]}"; do
+  start=$SECONDS
+  if CANDIDATE="$name" build "$name"; then
+    echo "build_all: $name done in $((SECONDS - start)) s"
+  else
+    echo "build_all: $name FAILED"
+    status=1
+  fi
 done
 exit $status
