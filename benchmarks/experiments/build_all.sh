@@ -4,7 +4,7 @@
 #
 #   benchmarks/experiments/build_all.sh [NAME...]
 #
-# NAME is one of head (the shipped tree), rowsum, treemax, both, half, zero-offset [all of them]. Each build's
+# NAME is one of head (the shipped tree), rowsum, treemax, both, half, zero-offset, colsums [all of them]. Each build's
 # log is .carry/NAME/ptxas.log; a failed build is reported and the others still run (exit status 1 at the end).
 set -uo pipefail
 E="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,14 +19,15 @@ build() {
       ;;
     half) "$E/build_candidate.sh" "$E/half-last-pooled-tile.patch" -DFPV2_HOPPER_HALF_LAST_POOLED=1 ;;
     zero-offset) "$E/build_candidate.sh" "$E/score-zero-offset.patch" ;;
+    colsums) "$E/build_candidate.sh" "$E/pooled-column-sums.patch" -DFPV2_HOPPER_POOLED_COLUMN_SUMS=1 ;;
     *)
-      echo "build_all: unknown library $1 (head, rowsum, treemax, both, half, zero-offset)" >&2
+      echo "build_all: unknown library $1 (head, rowsum, treemax, both, half, zero-offset, colsums)" >&2
       return 2
       ;;
   esac
 }
 NAMES=("$@")
-[ ${#NAMES[@]} -gt 0 ] || NAMES=(head rowsum treemax both half zero-offset)
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(head rowsum treemax both half zero-offset colsums)
 status=0
 for name in "${NAMES[@]}"; do
   start=$SECONDS
