@@ -11,8 +11,8 @@
 #                                      FPV2_INDEX_SCORING=auto too), the speed table, fpv2 bench on vLLM's NHD views
 #                                      and at d = 64 / 256 through the copy (page 1)
 #   (the A/B of two kernel variants and its ncu ran as part "ab" at commit 415bd16: results/2026-12-04-h200-hopper-scoring/)
-#   benchmarks/hopper_scoring_device_run.sh offset  the unmasked steps' exponentials with no offset
-#                                      (FPV2_SCORE_ZERO_OFFSET) against the shipped ones, and the scoring GPU tests
+#   (the zero-offset A/B ran as part "offset" at commit b39b81a, with experiments/score-zero-offset.patch applied:
+#   results/2026-12-06-h100-softmax-ab/offset/; landed for bf16 at d = 128)
 #   benchmarks/hopper_scoring_device_run.sh lines  ncu's source counters of the scoring kernel at 128K (instructions
 #                                      and stall samples per line), as CSV
 #   benchmarks/hopper_scoring_device_run.sh pipes  ncu's pipe utilisations of the scoring kernel at 128K and the
@@ -189,22 +189,6 @@ if [ "$PART" = host ]; then
   grep -A8 "corrected, waited by synchronize" "$RESULTS"/marks-*.txt | cut -c1-120
   grep -E "==|whole call|pool_blocks_triton|select_blocks_triton|_launch_|score_|use_hopper|HopperBackend.run " \
     "$RESULTS"/host-*.txt | cut -c1-130
-fi
-
-if [ "$PART" = offset ]; then
-  # Needs a library built with benchmarks/experiments/score-zero-offset.patch applied (the switch is not in the
-  # shipped tree). The unmasked step's exponentials with no offset (FPV2_SCORE_ZERO_OFFSET=1: 2^s, s already in log2 units; an
-  # overflow or underflow redoes the step with each key's maximum): 202 -> 133 instructions a thread in the unmasked
-  # block. Prediction (27th session, from the polynomial run's +0.03% a step per added instruction): 1.5-2.5% off the
-  # scoring kernel at 128K (1442 -> 1405-1420 us on an H100), 0 differing pairs on the planted workload, the
-  # scoring GPU tests pass with it.
-  with_packages timeout 120 python3 benchmarks/scoring_switch_probe.py --env FPV2_SCORE_ZERO_OFFSET --settings 0,1 \
-    --shapes 1x131072 1x32768 4x131072 --rounds 10 --label head --out "$RESULTS/scoring-zero-offset.jsonl" \
-    > "$LOGS/zero-offset.log" 2>&1
-  echo "probe: rc=$?"
-  cut -c1-500 "$RESULTS/scoring-zero-offset.jsonl"
-  FPV2_SCORE_ZERO_OFFSET=1 gpu_tests scoring-zero-offset 120 packages/fpv2-index/tests/test_hopper_scoring.py -m gpu
-  gpu_tests scoring-shipped 120 packages/fpv2-index/tests/test_hopper_scoring.py -m gpu
 fi
 
 if [ "$PART" = lines ]; then

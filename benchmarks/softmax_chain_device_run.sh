@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Device run: landing a change to the Hopper attention kernel's softmax (the 28th session's row sums on the tensor
-# cores and the tree row maximum, benchmarks/experiments/), from the repository root, with the library built on
-# the development machine into BIN.
+# Device run: the A/B of candidate builds of the Hopper attention kernel and the landing checks on a winner, from
+# the repository root, with the libraries built on the development machine (benchmarks/experiments/). Written for
+# the 28th session's softmax changes (rejected: results/2026-12-06-h100-softmax-ab/).
 #
 #   benchmarks/softmax_chain_device_run.sh land  the Hopper kernel's GPU suite, the second-order shift's GPU tests
 #                                                and the native ABI tests; compute-sanitizer memcheck and racecheck

@@ -5,8 +5,9 @@
 // rows, fp32) is one wgmma; the keys of step n+1 are copied by cp.async into the other of two buffers while
 // step n is reduced. Three CTAs share an SM, so one's exponentials run under another's product. A key's log2
 // energy L_J = o_J + log2(sum_r 2^(s_rJ - o_J)) goes to shared memory, with a cheap offset o_J (reduce_shifted:
-// the running maximum over the thread's earlier keys, or in a tile's first step a sample of the key's logits)
-// and, where that overflows, the key's maximum over the rows that see it (reduce); the running maximum over
+// 0 where ScoreTraits::kZeroOffset, otherwise the running maximum over the thread's earlier keys, or in a
+// tile's first step a sample of the key's logits) and, where that overflows or (offset 0) underflows, the key's
+// maximum over the rows that see it (reduce); the running maximum over
 // the tile's keys is kept in registers. Only the last step of a tile masks, and per logit only for a key some
 // row does not see or a tile of fewer than 128 rows.
 //
@@ -231,7 +232,9 @@ struct ScoreSelect {
   }
 
   // A step's energies with a cheap offset per key instead of the key's own maximum over the rows (no maximum
-  // tree before the exponentials): after a tile's first step the thread's running maximum, and in the first
+  // tree before the exponentials). With Traits::kZeroOffset the offset is 0 (the logits are exponentiated as
+  // they are, and a sum below 1e-30, every logit of the key below about -100, also redoes the step); otherwise
+  // after a tile's first step the thread's running maximum, and in the first
   // step the larger of the thread's first and last logit of the key, maximised over the quad (two shuffles).
   // Both offsets are the same in the four lanes that share a key (each lane folds in the same quad-reduced
   // energies), so their sums add up. Exact where no 2^(s - offset) overflows (s above the offset by 128 or
@@ -254,7 +257,11 @@ struct ScoreSelect {
     float offset[kKeys];
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) {
-      offset[i] = first_step ? hopper::quad_max(fmaxf(s(i, 0), s(i, kCols - 1))) : running_max;
+      if constexpr (Traits::kZeroOffset) {
+        offset[i] = 0.0f;
+      } else {
+        offset[i] = first_step ? hopper::quad_max(fmaxf(s(i, 0), s(i, kCols - 1))) : running_max;
+      }
     }
     float sums[kKeys][4];
     CUTE_UNROLL
@@ -262,7 +269,9 @@ struct ScoreSelect {
     CUTE_UNROLL
     for (int j = 0; j < kCols; ++j) {
       CUTE_UNROLL
-      for (int i = 0; i < kKeys; ++i) sums[i][j % 4] += hopper::fast_exp2(s(i, j) - offset[i]);
+      for (int i = 0; i < kKeys; ++i) {
+        sums[i][j % 4] += hopper::fast_exp2(Traits::kZeroOffset ? s(i, j) : s(i, j) - offset[i]);
+      }
     }
     float total[kKeys];
     bool redo = false;
@@ -271,6 +280,8 @@ struct ScoreSelect {
       total[i] = hopper::quad_sum((sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]));
       // An overflow (inf), or an offset of -inf (NaN or inf): the exact offsets instead.
       redo |= key_ok[i] && !(total[i] <= 3.0e38f && offset[i] > -INFINITY);
+      // With no offset a sum can also underflow (every logit of the key below about -126).
+      if constexpr (Traits::kZeroOffset) redo |= key_ok[i] && !(total[i] >= 1.0e-30f);
     }
     if (__any_sync(0xffffffffu, redo)) return false;
     CUTE_UNROLL
