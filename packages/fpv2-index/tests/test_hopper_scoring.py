@@ -193,16 +193,26 @@ def test_hopper_scoring_32k_planted_equals_triton(monkeypatch) -> None:
     assert differ <= kept // 10000
 
 
+#: (head dim, dtype) of the extreme-logit cases: bf16 at d = 128 exponentiates with no offset, the others
+#: against the cheap offsets (launch_score.cu), so both redo paths are driven.
+EXTREME_LOGIT_CONFIGS = [
+    pytest.param(128, torch.bfloat16, id="bf16-d128-zero-offset"),
+    pytest.param(128, torch.float16, id="fp16-d128-cheap-offset"),
+    pytest.param(64, torch.bfloat16, id="bf16-d64-cheap-offset"),
+]
+
+
 @gpu
 @needs_hopper
+@pytest.mark.parametrize(("d", "dtype"), EXTREME_LOGIT_CONFIGS)
 @pytest.mark.parametrize(("shift_log2", "block"), EXTREME_LOGIT_CASES)
-def test_hopper_scoring_extreme_logits_match_reference(monkeypatch, shift_log2, block) -> None:
+def test_hopper_scoring_extreme_logits_match_reference(monkeypatch, shift_log2, block, d, dtype) -> None:
     """Logits far outside the usual range take the kernel's exact-offset path; the index must not move.
 
     KV head 0 gets the shift, KV head 1 is the control. 2,048 queries after a 14,336-token prefix: every tile
     scores two steps of 64 keys, so a late key meets the running maximum of the first step.
     """
-    w = _inputs([2048], [16384], 8, 2, 128, torch.bfloat16, 16, seed=11)
+    w = _inputs([2048], [16384], 8, 2, d, dtype, 16, seed=11)
     _shift_logits(w, 0, shift_log2, block)
     config = SelectionConfig(min_sparse_kv_len=0)
     stats = pool_blocks(w.k_cache, None, w.batch, block_size=config.block_size)
