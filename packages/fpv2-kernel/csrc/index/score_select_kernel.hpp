@@ -258,7 +258,7 @@ struct ScoreSelect {
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) {
       if constexpr (Traits::kZeroOffset) {
-        offset[i] = 0.0f;
+        offset[i] = 0.0f;  // s - 0 folds to s: the exponentials take the logits as they are
       } else {
         offset[i] = first_step ? hopper::quad_max(fmaxf(s(i, 0), s(i, kCols - 1))) : running_max;
       }
@@ -269,9 +269,7 @@ struct ScoreSelect {
     CUTE_UNROLL
     for (int j = 0; j < kCols; ++j) {
       CUTE_UNROLL
-      for (int i = 0; i < kKeys; ++i) {
-        sums[i][j % 4] += hopper::fast_exp2(Traits::kZeroOffset ? s(i, j) : s(i, j) - offset[i]);
-      }
+      for (int i = 0; i < kKeys; ++i) sums[i][j % 4] += hopper::fast_exp2(s(i, j) - offset[i]);
     }
     float total[kKeys];
     bool redo = false;
@@ -280,7 +278,7 @@ struct ScoreSelect {
       total[i] = hopper::quad_sum((sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]));
       // An overflow (inf), or an offset of -inf (NaN or inf): the exact offsets instead.
       redo |= key_ok[i] && !(total[i] <= 3.0e38f && offset[i] > -INFINITY);
-      // With no offset a sum can also underflow (every logit of the key below about -126).
+      // With no offset a sum can also underflow (every logit of the key below about -100).
       if constexpr (Traits::kZeroOffset) redo |= key_ok[i] && !(total[i] >= 1.0e-30f);
     }
     if (__any_sync(0xffffffffu, redo)) return false;
