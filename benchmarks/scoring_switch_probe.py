@@ -1,6 +1,7 @@
 """The index's Hopper scoring kernel under the settings of one environment switch, interleaved in one process.
 
-For each ``--shapes`` entry (``BxL``, planted bf16, 32/8 heads, d = 128, page 1) the keys are pooled once, then
+For each ``--shapes`` entry (``BxL``, planted, 32/8 heads, page 1; each ``--dtypes`` and ``--head-dims``, bf16 and
+d = 128 by default) the keys are pooled once, then
 ``select_blocks_triton`` with the Hopper scoring runs under each setting of ``--env`` (the launcher reads it at
 every launch): per setting the scoring kernel's GPU time (torch.profiler over ``--profiled`` calls), the select
 call's time in rounds that alternate the settings (``--calls`` calls back to back between CUDA events a
@@ -13,6 +14,7 @@ Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,10 +46,15 @@ def scoring_kernel_us(call, calls: int) -> float:
     return round(total / calls, 1)
 
 
-def shape_row(batch: int, length: int, env: str, settings: list[str], args: argparse.Namespace) -> dict:
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shape_row(
+    batch: int, length: int, dtype: str, head_dim: int, env: str, settings: list[str], args: argparse.Namespace
+) -> dict:
     """One shape: per setting the kernel's time, the select call's medians, and the index against the first."""
-    w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=1,
-                         device=torch.device("cuda"))  # fmt: skip
+    w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=head_dim, page_size=1,
+                         dtype=DTYPES[dtype], device=torch.device("cuda"))  # fmt: skip
     config = SelectionConfig(alpha=args.alpha)
     stats = pool_blocks_triton(w.k_cache, None, w.batch, query_dtype=w.q.dtype)
     call = partial(select_blocks_triton, w.q, w.batch, stats, config=config, workspace=IndexWorkspace())
@@ -70,6 +77,8 @@ def shape_row(batch: int, length: int, env: str, settings: list[str], args: argp
         "env": env,
         "B": batch,
         "L": length,
+        "dtype": dtype,
+        "d": head_dim,
         "alpha": args.alpha,
         "gpu": torch.cuda.get_device_name(),
         "scoring_kernel_us": kernels,
@@ -85,6 +94,8 @@ def main() -> None:
     parser.add_argument("--env", required=True, help="the environment switch, e.g. FPV2_SCORE_POLY_EXP")
     parser.add_argument("--settings", required=True, help="its values, comma-separated; the first is the baseline")
     parser.add_argument("--shapes", nargs="+", default=["1x32768", "1x131072", "4x131072"], help="BxL entries")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="element types")
+    parser.add_argument("--head-dims", nargs="+", type=int, choices=(64, 128), default=[128], help="head dims")
     parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--calls", type=int, default=3, help="calls per timed sample")
@@ -97,14 +108,15 @@ def main() -> None:
     os.environ[SCORING_ENV] = "hopper"
     previous = os.environ.get(args.env)
     settings = args.settings.split(",")
-    for shape in args.shapes:
+    for dtype, head_dim, shape in itertools.product(args.dtypes, args.head_dims, args.shapes):
         batch, length = (int(x) for x in shape.split("x"))
-        row = shape_row(batch, length, args.env, settings, args)
+        row = shape_row(batch, length, dtype, head_dim, args.env, settings, args)
         print(json.dumps(row), flush=True)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+        torch.cuda.empty_cache()
     if previous is None:  # the launcher reads the switch at every launch: put back what the caller had
         os.environ.pop(args.env, None)
     else:

@@ -294,3 +294,28 @@ def test_named_unavailable_backend_exits_1(capsys, tmp_path):
         pytest.skip("the Hopper kernel is available here")
     assert main(["bench", *TINY_RUN, "--backend", "hopper", "--out", str(tmp_path)]) == 1
     assert "'hopper' is not available" in capsys.readouterr().err
+
+
+def test_bench_sparse_only_times_no_dense_run_and_leaves_the_speedup_empty(tmp_path, capsys, monkeypatch):
+    from fpv2.serving import bench
+
+    def no_baselines(*args, **kwargs):
+        raise AssertionError("--sparse-only builds no SDPA baseline")
+
+    monkeypatch.setattr(bench, "sdpa_baselines", no_baselines)
+    code = main(["bench", *TINY_RUN, "--sparse-only", "--ablation", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    payload = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
+    assert payload["config"]["sparse_only"] is True
+    assert any("sparse runs only" in note for note in payload["notes"])
+    impls = [r["impl"] for r in payload["rows"]]
+    assert impls == ["fpv2-sparse/reference", "fpv2-index", "fpv2-sparse/reference", "fpv2-index"]
+    sparse = [r for r in payload["rows"] if r["impl"] == "fpv2-sparse/reference"]
+    assert [r["correction"] for r in sparse] == [True, False]
+    for r in sparse:  # timed and checked as usual; only the dense comparison is absent
+        assert r["ms"] > 0 and r["rel_err"] < 0.2 and 0.0 < r["density"] <= 1.0
+        assert r["speedup"] is None and r["dense_scaled_ms"] is None
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary) == 4 and all(r["speedup"] is None for r in summary if r["impl"] != "fpv2-index")
+    assert "fpv2-dense" not in captured.out

@@ -4,6 +4,8 @@ One run builds the planted (or needle) workload, computes the fp32 dense
 reference once, times the backend's own dense mode (the ``dense`` strategy),
 the torch SDPA baselines on CUDA, and the sparse pipeline for every alpha,
 then writes a results JSON, ``summary.json`` and a selection heatmap.
+``sparse_only`` skips the dense mode and the SDPA baselines (a series of
+record rows at long context then costs seconds a row, not minutes).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class BenchConfig:
     drift_tokens: float | None = None
     #: Mass shifts of the corrected runs (:data:`fpv2.serving.pipeline.MASS_SHIFTS`): one corrected run per shift.
     mass_shifts: tuple[str, ...] = ("mean",)
+    #: Time the sparse runs alone: no own dense mode and no SDPA baselines, so the speedup columns stay empty.
+    sparse_only: bool = False
 
     @property
     def workload(self) -> str:
@@ -294,14 +298,19 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
     inputs = _prepare_inputs(cfg, device)
     wl, batch = inputs.workload, inputs.workload.batch
     echo("computing the fp32 dense reference")
-    ref = dense_attention(wl.q.float(), wl.k_cache.float(), wl.v_cache.float(), batch, compute_dtype=torch.float32)
+    # The reference casts each request's operands to fp32 itself: no fp32 copy of the whole batch (12 GiB at 4 x 128K).
+    ref = dense_attention(wl.q, wl.k_cache, wl.v_cache, batch, compute_dtype=torch.float32)
     needle_ref = select_rows(ref, batch, wl.needle_rows) if cfg.needle else None
 
     lens = [cfg.seqlen] * cfg.batch
     dense_flops = dense_causal_flops(lens, lens, cfg.q_heads, cfg.head_dim)
     baselines, baseline_notes = (
-        sdpa_baselines(wl.q, wl.k_cache, wl.v_cache, batch) if device.type == "cuda" else ([], [])
+        sdpa_baselines(wl.q, wl.k_cache, wl.v_cache, batch)
+        if device.type == "cuda" and not cfg.sparse_only
+        else ([], [])
     )
+    if cfg.sparse_only:
+        notes.append("sparse runs only: no own dense mode and no SDPA baselines, so no speedup columns")
     for note in baseline_notes:
         echo(f"note: {note}")
     notes += baseline_notes
@@ -314,7 +323,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
 
     sparse_runs = cfg.sparse_runs()
     host_ahead_runs = cfg.repeats if device.type == "cuda" else 0
-    total_runs = (cfg.warmup + cfg.repeats + host_ahead_runs) * (1 + len(baselines) + len(sparse_runs))
+    dense_runs = 0 if cfg.sparse_only else 1
+    total_runs = (cfg.warmup + cfg.repeats + host_ahead_runs) * (dense_runs + len(baselines) + len(sparse_runs))
     bar = tqdm(total=total_runs, desc="fpv2 bench", unit="run", disable=not cfg.progress, mininterval=1.0)
     commit, gpu = git_commit(), gpu_name(device)
     common = {
@@ -343,43 +353,46 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
     rows: list[dict[str, object]] = []
     panels: list[SelectionPanel] = []
     try:
-        # The backend's own dense mode: every visible block, no correction.
-        dense_pipe = SparsePrefillPipeline(
-            config_for(cfg.alphas[0]), strategy=DENSE_STRATEGY, correction=False, backend=backend
-        )
-        bar.set_postfix_str("fpv2 dense")
-        measured = _measure(
-            lambda: dense_pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
-            cfg,
-            device,
-            bar.update,
-        )
-        samples, result = measured.samples, measured.result
-        assert isinstance(result, PrefillResult)
-        split = _stage_medians(measured.stages)
-        dense_gpu = measured.gpu_fields(stage_ms="attention_ms")
-        dense_ms = split["attention_ms"]  # the dense mode needs no selection: time its attention stage
-        rows.append(
-            {
-                **common,
-                "impl": f"fpv2-dense/{_kernel_that_ran(backend)}",
-                "kv_layout": _kv_layout_that_ran(backend),
-                "strategy": DENSE_STRATEGY,
-                "alpha": None,
-                "correction": False,
-                "ms": dense_ms,
-                "pipeline_ms": median(samples),
-                "samples_ms": samples,
-                **split,
-                "density": float(result.index.density(batch)),
-                "rel_err": relative_l2_error(result.out, ref),
-                "needle_rel_err": needle_error(result.out),
-                "tflops": tflops(dense_flops, dense_ms),
-                "speedup": 1.0,
-                **dense_gpu,
-            }
-        )
-        del result, measured
+        dense_ms: float | None = None  # stays None with sparse_only: no speedup columns
+        dense_gpu: dict[str, object] = {}
+        if not cfg.sparse_only:
+            # The backend's own dense mode: every visible block, no correction.
+            dense_pipe = SparsePrefillPipeline(
+                config_for(cfg.alphas[0]), strategy=DENSE_STRATEGY, correction=False, backend=backend
+            )
+            bar.set_postfix_str("fpv2 dense")
+            measured = _measure(
+                lambda: dense_pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
+                cfg,
+                device,
+                bar.update,
+            )
+            samples, result = measured.samples, measured.result
+            assert isinstance(result, PrefillResult)
+            split = _stage_medians(measured.stages)
+            dense_gpu = measured.gpu_fields(stage_ms="attention_ms")
+            dense_ms = split["attention_ms"]  # the dense mode needs no selection: time its attention stage
+            rows.append(
+                {
+                    **common,
+                    "impl": f"fpv2-dense/{_kernel_that_ran(backend)}",
+                    "kv_layout": _kv_layout_that_ran(backend),
+                    "strategy": DENSE_STRATEGY,
+                    "alpha": None,
+                    "correction": False,
+                    "ms": dense_ms,
+                    "pipeline_ms": median(samples),
+                    "samples_ms": samples,
+                    **split,
+                    "density": float(result.index.density(batch)),
+                    "rel_err": relative_l2_error(result.out, ref),
+                    "needle_rel_err": needle_error(result.out),
+                    "tflops": tflops(dense_flops, dense_ms),
+                    "speedup": 1.0,
+                    **dense_gpu,
+                }
+            )
+            del result, measured
 
         for base in baselines:
             bar.set_postfix_str(base.impl)
@@ -406,7 +419,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                     "rel_err": relative_l2_error(packed, ref),
                     "needle_rel_err": needle_error(packed),
                     "tflops": tflops(dense_flops, ms),
-                    "speedup": dense_ms / ms if ms > 0 else None,
+                    "speedup": dense_ms / ms if dense_ms is not None and ms > 0 else None,
                     **gpu_timing,
                     **_gpu_speedup(dense_gpu, gpu_timing),
                 }
@@ -450,8 +463,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                 "rel_err": relative_l2_error(result.out, ref),
                 "needle_rel_err": needle_error(result.out),
                 "tflops": tflops(dense_flops, ms),
-                "speedup": dense_ms / ms if ms > 0 else None,
-                "dense_scaled_ms": density * dense_ms,
+                "speedup": dense_ms / ms if dense_ms is not None and ms > 0 else None,
+                "dense_scaled_ms": density * dense_ms if dense_ms is not None else None,
                 **gpu_timing,
                 **_gpu_speedup(dense_gpu, gpu_timing),
             }

@@ -113,6 +113,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="GPU: first run each timed implementation on its own calls for this many milliseconds, so that it is "
         "timed at its own steady clock rather than the previous row's (default 0: the warm-up runs alone)",
     )
+    run.add_argument(
+        "--sparse-only",
+        action="store_true",
+        help="time the sparse runs alone: no own dense mode and no torch SDPA (no speedup columns); for series of "
+        "long-context record rows",
+    )
     run.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     run.add_argument("--out", type=Path, default=Path("fpv2-results"), help="output folder (default fpv2-results/)")
     run.add_argument("--heatmap-head", type=int, default=0, help="KV head drawn in the heatmap (request 0)")
@@ -249,6 +255,7 @@ def _bench_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         mass_shifts=mass_shifts,
         progress=not args.no_progress,
         cache_layout=args.cache_layout,
+        sparse_only=args.sparse_only,
     )
     return config, notices
 
