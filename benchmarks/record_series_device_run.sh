@@ -5,9 +5,21 @@
 #   benchmarks/record_series_device_run.sh series    RUNS [3] fpv2 bench rows each of 128K and 4 x 128K (page 1,
 #                                                    the Hopper backend, mean correction, --sparse-only), one
 #                                                    process a row, the two lengths alternating
-#   benchmarks/record_series_device_run.sh zero-all  with ZERO_BIN (experiments/score-zero-offset-all.patch: the
-#                                                    launcher reads FPV2_SCORE_ZERO_OFFSET, 1 = every instance
-#                                                    with the zero offset, 0 = none): the scoring GPU tests under
+#   benchmarks/record_series_device_run.sh protocol  RUNS [2] pairs of 128K rows as above, the full bench (own dense
+#                                                    mode and SDPA first) then --sparse-only: does leaving the dense
+#                                                    rows out move the sparse row?
+#   benchmarks/record_series_device_run.sh index     the index package's GPU suite (with the Hopper scoring, the
+#                                                    default on sm_90)
+#   benchmarks/record_series_device_run.sh kernels   pipeline_profile.py at 128K, B = 1 and B = 4 (page 1, Hopper
+#                                                    backend): each kernel's GPU time, to place the 4 x 128K excess
+#   benchmarks/record_series_device_run.sh scoring-ab  the scoring kernel's time at 128K (bf16 / fp16, d = 128 / 64)
+#                                                    with BIN against ZERO_BIN under FPV2_SCORE_ZERO_OFFSET=1, one
+#                                                    process a library, A B B A: the landed kernel against the
+#                                                    tested switch build
+#   benchmarks/record_series_device_run.sh zero-all  with ZERO_BIN (built with score-zero-offset-all.patch, now in
+#                                                    results/2026-12-06-h100-record-series/: the launcher reads
+#                                                    FPV2_SCORE_ZERO_OFFSET, 1 = every instance with the zero
+#                                                    offset, 0 = none): the scoring GPU tests under
 #                                                    1 and 0, then scoring_switch_probe.py 0,1 at 128K and 32K for
 #                                                    bf16 / fp16 at d = 128 and 64
 #
@@ -15,6 +27,15 @@
 # - series, H200: 128K host-ahead 13.15-13.25 ms (the record's 13.248 less the zero-offset scoring's ~0.05 ms;
 #   the spread between processes was 13.11-13.40), 4 x 128K 54.4-54.8 (54.875 less ~0.26). Neither reaches
 #   issue 5's 4 x 128K target (50); the 128K one (13) only if the series sits at the low end of its spread.
+# - protocol: no difference beyond the spread between processes (host-ahead 128K within +-2%): on the H200 the
+#   sparse row after 3 s of dense calls was not slower host-ahead (2026-12-05-h200-clock-state).
+# - kernels: the 4 x 128K host-ahead index stage is 8.0-8.1 ms against 4 x 1.84 = 7.4 at B = 1 (H100, this
+#   session's series), the attention 46.4-46.7 against 4 x 11.0 = 44.1. The scoring kernel scales linearly (5.40 ms
+#   against 4 x 1.37, speed table), so the index's excess is in the pooling / copy or compaction kernels or between
+#   launches; the attention's in the kernel itself (one launch). Expected: each kernel within 5% of 4x its B = 1
+#   time but one, which holds the excess.
+# - scoring-ab: the landed kernel drops the offset's template switch, so its SASS differs from the switch build's
+#   (5,888 against 5,872 instructions at bf16 d = 128); same time within 1%, same index.
 # - zero-all: the tests pass under both settings; bf16 d = 128 repeats last session's -3.5% (the control); fp16
 #   d = 128 the same -3 to -4% (same instruction stream but the wgmma's type); d = 64 -4 to -7% (half the
 #   product a key, the same exponentials, so they are a larger share of the step); 0 differing kept pairs.
@@ -24,7 +45,7 @@ set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start record-series "${1:-series}" "${BIN:-.carry/head}"
-RESULTS="$OUT/$PART"
+RESULTS="$LOGS/results"  # inside the part's archive: the device returns files at most two folders down
 mkdir -p "$RESULTS"
 
 if [ "$PART" = series ]; then
@@ -32,6 +53,16 @@ if [ "$PART" = series ]; then
     bench_row 1 131072 "bench-128k-$run" 120 --page-size 1 --backend hopper --sparse-only
     bench_row 4 131072 "bench-4x128k-$run" 200 --page-size 1 --backend hopper --sparse-only
   done
+fi
+
+if [ "$PART" = protocol ]; then
+  for run in $(seq 1 "${RUNS:-2}"); do
+    bench_row 1 131072 "bench-128k-full-$run" 150 --page-size 1 --backend hopper
+    bench_row 1 131072 "bench-128k-sparse-only-$run" 120 --page-size 1 --backend hopper --sparse-only
+  done
+fi
+
+if [ "$PART" = series ] || [ "$PART" = protocol ]; then
   python3 - "$RESULTS" <<'EOF'
 import json, pathlib, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
@@ -40,6 +71,33 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
             print(path.parent.name, r["gpu"], "ms", round(r["ms"], 3), "gpu_ms", r.get("gpu_ms"),
                   "index", r.get("gpu_index_ms"), "attn", r.get("gpu_attention_ms"), "err", round(r["rel_err"], 4))
 EOF
+fi
+
+if [ "$PART" = kernels ]; then
+  for batch in 1 4; do
+    with_packages timeout 200 python3 benchmarks/pipeline_profile.py --seqlen 131072 --batch "$batch" --page-size 1 \
+      --backend hopper --repeats 5 --out "$RESULTS/kernels-b$batch" > "$RESULTS/kernels-b$batch.txt" 2>&1
+    echo "pipeline_profile B=$batch: rc=$?"
+    grep -E "^==.*wall|^ +[0-9]+\.[0-9]{3}  " "$RESULTS/kernels-b$batch.txt" | cut -c1-150
+  done
+fi
+
+if [ "$PART" = scoring-ab ]; then
+  for lib in "$BIN" "${ZERO_BIN:-.carry/zero-all}" "${ZERO_BIN:-.carry/zero-all}" "$BIN"; do
+    FPV2_SCORE_ZERO_OFFSET=1 BIN="$lib" with_packages timeout 150 python3 benchmarks/scoring_switch_probe.py \
+      --env FPV2_SCORE_ZERO_OFFSET --settings 1 --shapes 1x131072 --dtypes bf16 fp16 --head-dims 128 64 --rounds 3 \
+      --label "$lib" --out "$RESULTS/scoring-ab.jsonl" > "$LOGS/scoring-ab.log" 2>&1
+    echo "probe $lib: rc=$?"
+  done
+  python3 -c 'import json,sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["label"], r["dtype"], "d", r["d"], "kernel us", r["scoring_kernel_us"]["1"], "kept", r["kept_pairs"])' \
+    "$RESULTS/scoring-ab.jsonl"
+fi
+
+if [ "$PART" = index ]; then
+  gpu_tests index 240 packages/fpv2-index/tests -m gpu
 fi
 
 if [ "$PART" = zero-all ]; then

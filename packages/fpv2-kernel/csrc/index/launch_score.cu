@@ -76,9 +76,9 @@ int32_t prepare_launch(Kernel kernel, int threads, size_t smem, size_t max_smem,
   return FPV2_OK;
 }
 
-template <class Element, int kHeadDim, bool kZeroOffset = false>
+template <class Element, int kHeadDim>
 int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int device, int sm_count) {
-  using Traits = ScoreTraits<Element, kHeadDim, kZeroOffset>;
+  using Traits = ScoreTraits<Element, kHeadDim>;
   const ScoreParams<Element> p = make_params<Element>(args);
   if (p.num_segments > 0) {
     // The storage, the tile's energies (one float per key block of the longest request) and the alignment slack.
@@ -111,10 +111,8 @@ int32_t launch_score(const fpv2_score_args_t& args, cudaStream_t stream) {
   const bool bf16 = args.q.dtype == FPV2_DTYPE_BF16;
   const int64_t d = args.q.shape[2];
   if (bf16) {
-    // bf16 at d = 128 exponentiates with no offset (ScoreTraits::kZeroOffset): the configuration its GPU tests
-    // and the A/B ran on; the others keep the cheap offsets until theirs do.
     return d == 64 ? launch_for<cutlass::bfloat16_t, 64>(args, stream, device, sm_count)
-                   : launch_for<cutlass::bfloat16_t, 128, /*kZeroOffset=*/true>(args, stream, device, sm_count);
+                   : launch_for<cutlass::bfloat16_t, 128>(args, stream, device, sm_count);
   }
   return d == 64 ? launch_for<cutlass::half_t, 64>(args, stream, device, sm_count)
                  : launch_for<cutlass::half_t, 128>(args, stream, device, sm_count);

@@ -4,11 +4,9 @@
 // Pass 1 walks the tile's candidate pooled keys 64 at a time. Step n's product S = K_n Q^T (64 keys x 128
 // rows, fp32) is one wgmma; the keys of step n+1 are copied by cp.async into the other of two buffers while
 // step n is reduced. Three CTAs share an SM, so one's exponentials run under another's product. A key's log2
-// energy L_J = o_J + log2(sum_r 2^(s_rJ - o_J)) goes to shared memory, with a cheap offset o_J (reduce_shifted:
-// 0 where ScoreTraits::kZeroOffset, otherwise the running maximum over the thread's earlier keys, or in a
-// tile's first step a sample of the key's logits) and, where that overflows or (offset 0) underflows, the key's
-// maximum over the rows that see it (reduce); the running maximum over
-// the tile's keys is kept in registers. Only the last step of a tile masks, and per logit only for a key some
+// energy L_J = log2(sum_r 2^s_rJ) goes to shared memory (reduce_shifted: the logits exponentiated as they are)
+// and, where a warp's sum overflows or underflows, L_J = o_J + log2(sum_r 2^(s_rJ - o_J)) with o_J the key's
+// maximum over the rows that see it (reduce); the running maximum over the tile's keys is kept in registers. Only the last step of a tile masks, and per logit only for a key some
 // row does not see or a tile of fewer than 128 rows.
 //
 // Pass 2 thresholds the energies (2^(L_J - max L) >= alpha), adds the forced blocks and writes one keep
@@ -231,61 +229,45 @@ struct ScoreSelect {
     }
   }
 
-  // A step's energies with a cheap offset per key instead of the key's own maximum over the rows (no maximum
-  // tree before the exponentials). With Traits::kZeroOffset the offset is 0 (the logits are exponentiated as
-  // they are, and a sum below 1e-30, every logit of the key below about -100, also redoes the step); otherwise
-  // after a tile's first step the thread's running maximum, and in the first
-  // step the larger of the thread's first and last logit of the key, maximised over the quad (two shuffles).
-  // Both offsets are the same in the four lanes that share a key (each lane folds in the same quad-reduced
-  // energies), so their sums add up. Exact where no 2^(s - offset) overflows (s above the offset by 128 or
-  // more, in log2 units) and the offset is finite; a warp that meets either redoes the step with each key's own
-  // maximum (returns false: the caller calls reduce). Sums flushed to zero (every s of a key 126 below the
-  // offset) give -inf: that key's energy is below 2^-119 of the tile's peak, which no alpha in (2^-119, 1]
-  // keeps, as with the exact offsets.
+  // A step's energies with no offset per key instead of the key's own maximum over the rows (no maximum tree
+  // before the exponentials): 2^s, s already in log2 units. Exact where no 2^s overflows (s >= 128) and the
+  // key's sum is not below 1e-30 (every logit of the key below about -100); a warp that meets either redoes the
+  // step with each key's own maximum (returns false: the caller calls reduce). Measured 3.3-4.8% off the kernel
+  // against a cheap running-maximum offset, at bf16 and fp16, d = 64 and 128, with the same index
+  // (benchmarks/NOTES.md, thirtieth and thirty-first sessions).
   // kMasked: keys past the candidates are skipped, and only a key that some row does not see (at most the one
   // block whose first token falls inside the tile's positions) or a tile of fewer than 128 rows masks per logit.
   template <bool kMasked, class AccRowsCols, class CoordRowsCols>
   __device__ __forceinline__ static bool reduce_shifted(AccRowsCols& s, CoordRowsCols const& coord, int first_key,
                                                         ScoreGeometry const& g, ScoreParams<Element> const& p,
-                                                        bool first_step, float* energies, float& running_max) {
+                                                        float* energies, float& running_max) {
     using namespace cute;
     constexpr int kKeys = decltype(size<0>(s))::value;
     constexpr int kCols = decltype(size<1>(s))::value;
     int block[kKeys];
     bool key_ok[kKeys];
     step_keys<kMasked>(s, coord, first_key, g, p, block, key_ok);
-    float offset[kKeys];
-    CUTE_UNROLL
-    for (int i = 0; i < kKeys; ++i) {
-      if constexpr (Traits::kZeroOffset) {
-        offset[i] = 0.0f;  // s - 0 folds to s: the exponentials take the logits as they are
-      } else {
-        offset[i] = first_step ? hopper::quad_max(fmaxf(s(i, 0), s(i, kCols - 1))) : running_max;
-      }
-    }
     float sums[kKeys][4];
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) sums[i][0] = sums[i][1] = sums[i][2] = sums[i][3] = 0.0f;
     CUTE_UNROLL
     for (int j = 0; j < kCols; ++j) {
       CUTE_UNROLL
-      for (int i = 0; i < kKeys; ++i) sums[i][j % 4] += hopper::fast_exp2(s(i, j) - offset[i]);
+      for (int i = 0; i < kKeys; ++i) sums[i][j % 4] += hopper::fast_exp2(s(i, j));
     }
     float total[kKeys];
     bool redo = false;
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) {
       total[i] = hopper::quad_sum((sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]));
-      // An overflow (inf), or an offset of -inf (NaN or inf): the exact offsets instead.
-      redo |= key_ok[i] && !(total[i] <= 3.0e38f && offset[i] > -INFINITY);
-      // With no offset a sum can also underflow (every logit of the key below about -100).
-      if constexpr (Traits::kZeroOffset) redo |= key_ok[i] && !(total[i] >= 1.0e-30f);
+      // An overflow (inf) or an underflow (every logit of the key below about -100): the exact offsets instead.
+      redo |= key_ok[i] && !(total[i] <= 3.0e38f && total[i] >= 1.0e-30f);
     }
     if (__any_sync(0xffffffffu, redo)) return false;
     CUTE_UNROLL
     for (int i = 0; i < kKeys; ++i) {
       if (key_ok[i]) {
-        const float energy = offset[i] + fast_log2(total[i]);
+        const float energy = fast_log2(total[i]);
         if (threadIdx.x % 4 == 0) energies[block[i]] = energy;
         running_max = fmaxf(running_max, energy);
       }
@@ -397,12 +379,12 @@ struct ScoreSelect {
             prefetch_next();
           }
           const int first_key = n * Traits::kStepKeys;
-          // Cheap offsets first; the exact ones only where a warp met an overflow (reduce_shifted).
+          // No offsets first; the exact ones only where a warp met an overflow or underflow (reduce_shifted).
           if (first_key + Traits::kStepKeys <= g.num_full) {
-            if (!reduce_shifted<false>(acc_rc, cS_rc, first_key, g, p, n == 0, energies, running_max)) {
+            if (!reduce_shifted<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max)) {
               reduce<false>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
             }
-          } else if (!reduce_shifted<true>(acc_rc, cS_rc, first_key, g, p, n == 0, energies, running_max)) {
+          } else if (!reduce_shifted<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max)) {
             reduce<true>(acc_rc, cS_rc, first_key, g, p, energies, running_max);
           }
         }

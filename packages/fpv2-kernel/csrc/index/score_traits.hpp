@@ -11,15 +11,10 @@ namespace fpv2::index {
 
 // One accumulator and two key buffers, three CTAs per SM: measured faster than two accumulators with the
 // product of step n+1 under step n's exponentials at two CTAs per SM (benchmarks/NOTES.md, 2026-12-04).
-template <class Element_, int kHeadDim_, bool kZeroOffset_ = false>
+template <class Element_, int kHeadDim_>
 struct ScoreTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  // The steps exponentiate the logits themselves (2^s: s is in log2 units already) instead of their distance to
-  // a cheap offset, 202 -> 133 instructions a thread in the unmasked step; a sum that overflows or underflows
-  // redoes the warp's step with each key's maximum. Measured 3.4-4.6% off the kernel on an H100 with the same
-  // index (benchmarks/NOTES.md, thirtieth session).
-  static constexpr bool kZeroOffset = kZeroOffset_;
   static constexpr int kCtasPerSm = 3;
   static constexpr int kTileRows = 128;  // packed query rows of a tile (FPV2_KERNEL_TILE_SIZE)
   static constexpr int kStepKeys = 64;   // pooled keys per step (the wgmma's M)
