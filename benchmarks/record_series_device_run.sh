@@ -16,6 +16,10 @@
 #                                                    with BIN against ZERO_BIN under FPV2_SCORE_ZERO_OFFSET=1, one
 #                                                    process a library, A B B A: the landed kernel against the
 #                                                    tested switch build
+#   benchmarks/record_series_device_run.sh keys-tma  KEYS_BIN (experiments/score-keys-tma.patch: each step's keys by
+#                                                    one TMA transaction on an mbarrier instead of 128 threads'
+#                                                    cp.async): a smoke call, the scoring GPU tests, the A/B
+#                                                    against BIN (as scoring-ab), memcheck and racecheck
 #   benchmarks/record_series_device_run.sh zero-all  with ZERO_BIN (built with score-zero-offset-all.patch, now in
 #                                                    results/2026-12-06-h100-record-series/: the launcher reads
 #                                                    FPV2_SCORE_ZERO_OFFSET, 1 = every instance with the zero
@@ -36,6 +40,11 @@
 #   time but one, which holds the excess.
 # - scoring-ab: the landed kernel drops the offset's template switch, so its SASS differs from the switch build's
 #   (5,888 against 5,872 instructions at bf16 d = 128); same time within 1%, same index.
+# - keys-tma: the lines profile (this session) gives the per-step key copies about 19% of the kernel's
+#   instructions and 13% of its stall samples, and the step's cp.async wait part of the loop's 11%. One thread's two
+#   UTMALDG a step replace 8 LDGSTS and their address arithmetic in every thread (static count 5,888 -> 5,544 at
+#   bf16 d = 128, 167 registers). Expected: the scoring kernel 4-8% faster at 128K (1.38 -> 1.27-1.32 ms on an
+#   H100) at every dtype and head dim, the same kept pairs, the tests and sanitizers clean. Below 2%: rejected.
 # - zero-all: the tests pass under both settings; bf16 d = 128 repeats last session's -3.5% (the control); fp16
 #   d = 128 the same -3 to -4% (same instruction stream but the wgmma's type); d = 64 -4 to -7% (half the
 #   product a key, the same exponentials, so they are a larger share of the step); 0 differing kept pairs.
@@ -82,11 +91,13 @@ if [ "$PART" = kernels ]; then
   done
 fi
 
-if [ "$PART" = scoring-ab ]; then
-  for lib in "$BIN" "${ZERO_BIN:-.carry/zero-all}" "${ZERO_BIN:-.carry/zero-all}" "$BIN"; do
+# The scoring kernel's time at 128K (bf16 / fp16, d = 128 / 64) with two libraries, one process each, A B B A
+# (FPV2_SCORE_ZERO_OFFSET=1 for a switch build; the others ignore it): scoring_ab LIBRARY_A LIBRARY_B
+scoring_ab() {
+  for lib in "$1" "$2" "$2" "$1"; do
     FPV2_SCORE_ZERO_OFFSET=1 BIN="$lib" with_packages timeout 150 python3 benchmarks/scoring_switch_probe.py \
       --env FPV2_SCORE_ZERO_OFFSET --settings 1 --shapes 1x131072 --dtypes bf16 fp16 --head-dims 128 64 --rounds 3 \
-      --label "$lib" --out "$RESULTS/scoring-ab.jsonl" > "$LOGS/scoring-ab.log" 2>&1
+      --label "$lib" --out "$RESULTS/scoring-ab.jsonl" >> "$LOGS/scoring-ab.log" 2>&1
     echo "probe $lib: rc=$?"
   done
   python3 -c 'import json,sys
@@ -94,6 +105,28 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     print(r["label"], r["dtype"], "d", r["d"], "kernel us", r["scoring_kernel_us"]["1"], "kept", r["kept_pairs"])' \
     "$RESULTS/scoring-ab.jsonl"
+}
+
+if [ "$PART" = scoring-ab ]; then
+  scoring_ab "$BIN" "${ZERO_BIN:-.carry/zero-all}"
+fi
+
+if [ "$PART" = keys-tma ]; then
+  # A smoke call first (a wrong barrier phase would hang every later call), then the scoring GPU tests, the A/B
+  # against BIN and compute-sanitizer, all on KEYS_BIN.
+  KEYS="${KEYS_BIN:-.carry/keys-tma}"
+  BIN="$KEYS" with_packages timeout 60 python3 benchmarks/hopper_scoring_sanitize.py > "$LOGS/smoke.log" 2>&1
+  smoke=$?
+  echo "smoke: rc=$smoke $(tail -1 "$LOGS/smoke.log")"
+  if [ "$smoke" -eq 0 ]; then
+    BIN="$KEYS" gpu_tests scoring-keys-tma 150 packages/fpv2-index/tests/test_hopper_scoring.py -m gpu
+    scoring_ab "$BIN" "$KEYS"
+    for tool in memcheck racecheck; do
+      BIN="$KEYS" with_packages timeout 100 compute-sanitizer --tool "$tool" --kernel-name kns=score \
+        python3 benchmarks/hopper_scoring_sanitize.py > "$RESULTS/sanitizer-$tool.txt" 2>&1
+      echo "compute-sanitizer $tool: rc=$? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$RESULTS/sanitizer-$tool.txt")"
+    done
+  fi
 fi
 
 if [ "$PART" = index ]; then
