@@ -19,7 +19,8 @@
 #   benchmarks/record_series_device_run.sh keys-tma  KEYS_BIN (experiments/score-keys-tma.patch: each step's keys by
 #                                                    one TMA transaction on an mbarrier instead of 128 threads'
 #                                                    cp.async): a smoke call, the scoring GPU tests, the A/B
-#                                                    against BIN (as scoring-ab), memcheck and racecheck
+#                                                    against BIN (as scoring-ab), memcheck and racecheck, the
+#                                                    index package's GPU suite
 #   benchmarks/record_series_device_run.sh zero-all  with ZERO_BIN (built with score-zero-offset-all.patch, now in
 #                                                    results/2026-12-06-h100-record-series/: the launcher reads
 #                                                    FPV2_SCORE_ZERO_OFFSET, 1 = every instance with the zero
@@ -126,6 +127,7 @@ if [ "$PART" = keys-tma ]; then
         python3 benchmarks/hopper_scoring_sanitize.py > "$RESULTS/sanitizer-$tool.txt" 2>&1
       echo "compute-sanitizer $tool: rc=$? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$RESULTS/sanitizer-$tool.txt")"
     done
+    BIN="$KEYS" gpu_tests index-keys-tma 150 packages/fpv2-index/tests -m gpu
   fi
 fi
 
