@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device run (31st session): issue 5's record rows as a series, and the zero-offset scoring for the scoring
-# kernel's other instances, from the repository root, with libraries built on the development machine.
+# Device run (31st session): issue 5's record rows as a series, the zero-offset scoring for the scoring kernel's
+# other instances and its keys by TMA, from the repository root, with libraries built on the development machine.
+# Results: benchmarks/results/2026-12-06-h100-record-series/.
 #
 #   benchmarks/record_series_device_run.sh series    RUNS [3] fpv2 bench rows each of 128K and 4 x 128K (page 1,
 #                                                    the Hopper backend, mean correction, --sparse-only), one
@@ -16,7 +17,8 @@
 #                                                    with BIN against ZERO_BIN under FPV2_SCORE_ZERO_OFFSET=1, one
 #                                                    process a library, A B B A: the landed kernel against the
 #                                                    tested switch build
-#   benchmarks/record_series_device_run.sh keys-tma  KEYS_BIN (experiments/score-keys-tma.patch: each step's keys by
+#   benchmarks/record_series_device_run.sh keys-tma  KEYS_BIN (score-keys-tma.patch, landed, in the results folder
+#                                                    below: each step's keys by
 #                                                    one TMA transaction on an mbarrier instead of 128 threads'
 #                                                    cp.async): a smoke call, the scoring GPU tests, the A/B
 #                                                    against BIN (as scoring-ab), memcheck and racecheck, the

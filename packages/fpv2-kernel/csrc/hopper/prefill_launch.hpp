@@ -21,37 +21,13 @@
 #include "hopper/shared_storage.hpp"
 #include "hopper/split_combine.hpp"
 #include "hopper/split_kv.hpp"
+#include "hopper/tensor_map_driver.hpp"
 #include "hopper/work_order.hpp"
 
 namespace fpv2::hopper {
 
 // The opt-in limit of dynamic shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 inline constexpr std::size_t kMaxDynamicSharedMemory = 227 * 1024;
-
-namespace detail {
-
-// CuTe encodes TMA descriptors through the driver entry point cuTensorMapEncodeTiled and asserts on
-// failure; make sure the entry point resolves first so that a missing driver is reported, not asserted.
-inline int32_t check_tensor_map_entry_point() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                                           &found);
-#else
-  const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
-#endif
-  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return fpv2::detail::fail(
-        FPV2_ERROR_CUDA,
-        fpv2::detail::format("fpv2 Hopper prefill: the CUDA driver does not provide cuTensorMapEncodeTiled "
-                             "(needed for the TMA loads of the KV cache): %s",
-                             cudaGetErrorString(err)));
-  }
-  return FPV2_OK;
-}
-
-}  // namespace detail
 
 // The kept-block work order of `params`' tiles (work_order.hpp) into `workspace` (work_order_workspace_bytes,
 // checked by the launcher); on success params.tile_order points at it.
@@ -106,7 +82,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
   if (num_m_blocks == 0) {
     return FPV2_OK;  // no query in the batch: nothing to compute
   }
-  FPV2_RETURN_IF_ERROR(detail::check_tensor_map_entry_point());
+  FPV2_RETURN_IF_ERROR(check_tensor_map_entry_point("fpv2 Hopper prefill", "the TMA loads of the KV cache"));
 
   Tensor k_rows = make_tensor(make_gmem_ptr(static_cast<Element const*>(plan.k_cache)),
                               make_shape(plan.cache_rows, plan.cache_cols), make_stride(plan.k_token_stride, _1{}));

@@ -7,6 +7,7 @@
 
 #include "abi/device_guard.hpp"
 #include "abi/errors.hpp"
+#include "hopper/tensor_map_driver.hpp"
 #include "index/score_offsets_kernel.hpp"
 #include "index/score_select_kernel.hpp"
 
@@ -21,6 +22,8 @@ ScoreParams<Element> make_params(const fpv2_score_args_t& a) {
   p.q_head_stride = a.q.strides[1];
   p.keys = static_cast<Element const*>(a.keys.data);
   p.key_block_stride = a.keys.shape[1] * a.keys.shape[2];
+  p.key_rows = int32_t(a.keys.shape[0]);
+  p.key_cols = int32_t(a.keys.shape[1] * a.keys.shape[2]);
   p.cu_seqlens_q = static_cast<int32_t const*>(a.cu_seqlens_q.data);
   p.seqlens_k = static_cast<int32_t const*>(a.seqlens_k.data);
   p.block_offsets = static_cast<int32_t const*>(a.block_offsets.data);
@@ -88,7 +91,13 @@ int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int devic
     FPV2_RETURN_IF_ERROR(prepare_launch(score_select_kernel<Traits>, Traits::kThreads, smem,
                                         smem_for(Traits::kMaxBlocks), device, &ctas_per_sm));
     const int64_t ctas = std::min<int64_t>(p.num_segments, int64_t(ctas_per_sm) * sm_count);
-    score_select_kernel<Traits><<<dim3(unsigned(ctas)), dim3(Traits::kThreads), smem, stream>>>(p);
+    FPV2_RETURN_IF_ERROR(hopper::check_tensor_map_entry_point("fpv2_score_blocks", "the TMA loads of the keys"));
+    using namespace cute;
+    Tensor key_matrix = make_tensor(make_gmem_ptr(p.keys), make_shape(p.key_rows, p.key_cols),
+                                    make_stride(p.key_block_stride, _1{}));
+    const typename Traits::TmaKeys tma_keys = make_tma_copy(
+        SM90_TMA_LOAD{}, key_matrix, typename Traits::SmemLayoutKeysStage{}, typename Traits::TileKeys{}, _1{});
+    score_select_kernel<Traits><<<dim3(unsigned(ctas)), dim3(Traits::kThreads), smem, stream>>>(p, tma_keys);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_failure(e, "the scoring kernel's launch");
   }

@@ -2,12 +2,14 @@
 // tile, KV head) segments, heaviest first.
 //
 // Pass 1 walks the tile's candidate pooled keys 64 at a time. Step n's product S = K_n Q^T (64 keys x 128
-// rows, fp32) is one wgmma; the keys of step n+1 are copied by cp.async into the other of two buffers while
-// step n is reduced. Three CTAs share an SM, so one's exponentials run under another's product. A key's log2
-// energy L_J = log2(sum_r 2^s_rJ) goes to shared memory (reduce_shifted: the logits exponentiated as they are)
-// and, where a warp's sum overflows or underflows, L_J = o_J + log2(sum_r 2^(s_rJ - o_J)) with o_J the key's
-// maximum over the rows that see it (reduce); the running maximum over the tile's keys is kept in registers. Only the last step of a tile masks, and per logit only for a key some
-// row does not see or a tile of fewer than 128 rows.
+// rows, fp32) is one wgmma; the keys of step n+1 arrive by one TMA transaction (issued by thread 0, completing
+// on the buffer's mbarrier) in the other of two buffers while step n is reduced; the query rows are gathered by
+// cp.async once a tile. Three CTAs share an SM, so one's exponentials run under another's product. A key's
+// log2 energy L_J = log2(sum_r 2^s_rJ) goes to shared memory (reduce_shifted: the logits exponentiated as they
+// are) and, where a warp's sum overflows or underflows, L_J = o_J + log2(sum_r 2^(s_rJ - o_J)) with o_J the
+// key's maximum over the rows that see it (reduce); the running maximum over the tile's keys is kept in
+// registers. Only the last step of a tile masks, and per logit only for a key some row does not see or a tile
+// of fewer than 128 rows.
 //
 // Pass 2 thresholds the energies (2^(L_J - max L) >= alpha), adds the forced blocks and writes one keep
 // word per 32 blocks with a warp ballot, and the segment's count. No energies leave the SM.
@@ -86,56 +88,6 @@ struct ScoreSelect {
         member -= p.group;
         ++position;
       }
-    }
-  }
-
-  // This thread's 16-byte chunk of the first key row it copies, as a shared-memory byte address in buffer 0.
-  // Its other rows (kRowsPerPass apart) and the other buffer are fixed offsets from it: the rows of a pass
-  // cover whole 8-row swizzle atoms, so every pass meets the same swizzle (checked by the host layout test).
-  __device__ static uint32_t key_copy_base(Element* keys) {
-    using Layout = typename Traits::SmemLayoutKeys;
-    const int chunk = threadIdx.x % kChunks;
-    const int key = threadIdx.x / kChunks;
-    return uint32_t(cute::cast_smem_ptr_to_uint(keys)) +
-           uint32_t(hopper::smem_offset<Layout>(key, chunk * kChunkElements, 0)) * uint32_t(sizeof(Element));
-  }
-
-  // Keys step*64 .. step*64 + 63 of the tile into buffer `stage` (zeros past the candidates). kCheck: some of
-  // the step's keys may lie past the candidates (the tile's last step); the other steps copy with no predicate
-  // and one 64-bit add a row (the SASS of the checked copies: about 11 integer instructions each).
-  template <bool kCheck>
-  __device__ static void issue_keys(uint32_t copy_base, Element const* head_keys, int64_t block_stride, int step,
-                                    int num_candidates, int stage) {
-    using Layout = typename Traits::SmemLayoutKeys;
-    const int pass_bytes = (hopper::smem_offset<Layout>(kRowsPerPass, 0, 0) - hopper::smem_offset<Layout>(0, 0, 0)) *
-                           int(sizeof(Element));
-    const int stage_bytes =
-        (hopper::smem_offset<Layout>(0, 0, 1) - hopper::smem_offset<Layout>(0, 0, 0)) * int(sizeof(Element));
-    const int first = step * Traits::kStepKeys + int(threadIdx.x) / kChunks;
-    char const* src = reinterpret_cast<char const*>(head_keys + int64_t(first) * block_stride +
-                                                    (threadIdx.x % kChunks) * kChunkElements);
-    const int64_t pass_stride = int64_t(kRowsPerPass) * block_stride * int64_t(sizeof(Element));
-    const uint32_t dst = copy_base + uint32_t(stage * stage_bytes);
-    CUTE_UNROLL
-    for (int pass = 0; pass < Traits::kStepKeys / kRowsPerPass; ++pass) {
-      if constexpr (kCheck) {
-        const bool valid = first + pass * kRowsPerPass < num_candidates;
-        hopper::cp_async_16_zfill(dst + uint32_t(pass * pass_bytes), valid ? src : reinterpret_cast<char const*>(head_keys),
-                                  valid);
-      } else {
-        hopper::cp_async_16(dst + uint32_t(pass * pass_bytes), src);
-      }
-      src += pass_stride;
-    }
-  }
-
-  // Keys of step `step`: unchecked copies when every key of the step is a candidate.
-  __device__ static void issue_step_keys(uint32_t copy_base, Element const* head_keys, int64_t block_stride,
-                                         int step, int num_candidates, int stage) {
-    if ((step + 1) * Traits::kStepKeys <= num_candidates) {
-      issue_keys<false>(copy_base, head_keys, block_stride, step, num_candidates, stage);
-    } else {
-      issue_keys<true>(copy_base, head_keys, block_stride, step, num_candidates, stage);
     }
   }
 
@@ -301,22 +253,36 @@ struct ScoreSelect {
     return w;
   }
 
-  template <class SmemQ>
-  __device__ static void issue_first_loads(SmemQ& sQ, uint32_t copy_base, ScoreParams<Element> const& p,
-                                           Work const& w) {
-    issue_query(sQ, p, w.tile, w.geometry, w.head);
-    issue_step_keys(copy_base, head_keys_of(p, w), p.key_block_stride, 0, w.geometry.num_candidates, 0);
-    cute::cp_async_fence();
+  // Keys of step `step` of `w` into buffer `stage` by one TMA transaction (one thread): rows past the
+  // candidates are whatever follows them in the keys (their energies are never stored), rows past the keys'
+  // end zeros.
+  template <class KeysTma, class KeysDst>
+  __device__ static void issue_keys_tma(typename Traits::TmaKeys const& tma, KeysTma const& m_keys, KeysDst& t_keys,
+                                        uint64_t* full, Work const& w, int step, int stage) {
+    using namespace cute;
+    if (threadIdx.x == 0) {
+      const int row0 = w.tile.block_base + step * Traits::kStepKeys;
+      Tensor g_keys = local_tile(domain_offset(make_coord(row0, _0{}), m_keys), typename Traits::TileKeys{},
+                                 make_coord(_0{}, w.head));  // (64, d)
+      Tensor t_src = group_modes<0, 3>(tma.get_slice(_0{}).partition_S(g_keys));  // (TMA)
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[stage], Traits::kStepKeyBytes);
+      copy(tma.with(full[stage]), t_src, t_keys(_, stage));
+    }
   }
 
-  __device__ static Element const* head_keys_of(ScoreParams<Element> const& p, Work const& w) {
-    return p.keys + int64_t(w.tile.block_base) * p.key_block_stride + int64_t(w.head) * Traits::kHeadDim;
+  template <class SmemQ, class KeysTma, class KeysDst>
+  __device__ static void issue_first_loads(SmemQ& sQ, typename Traits::TmaKeys const& tma, KeysTma const& m_keys,
+                                           KeysDst& t_keys, uint64_t* full, ScoreParams<Element> const& p,
+                                           Work const& w) {
+    issue_query(sQ, p, w.tile, w.geometry, w.head);
+    cute::cp_async_fence();
+    issue_keys_tma(tma, m_keys, t_keys, full, w, 0, 0);
   }
 
   // Persistent CTAs: CTA c takes segments c, c + gridDim.x, ... As soon as a tile's last product is done, the
   // next tile is located and its query rows and first keys are issued, so that they load under the last
   // step's exponentials and the selection.
-  __device__ static void run(ScoreParams<Element> const& p, char* smem_base) {
+  __device__ static void run(ScoreParams<Element> const& p, typename Traits::TmaKeys const& tma, char* smem_base) {
     using namespace cute;
     auto& smem = *reinterpret_cast<ScoreSharedStorage<Traits>*>(smem_base);
     float* energies = reinterpret_cast<float*>(smem_base + sizeof(ScoreSharedStorage<Traits>));
@@ -326,7 +292,15 @@ struct ScoreSelect {
     auto wg = mma.get_thread_slice(0);  // descriptors depend on the warpgroup only
     Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.keys), typename Traits::SmemLayoutKeys{});
-    const uint32_t copy_base = key_copy_base(smem.keys);
+    Tensor m_keys = tma.get_tma_tensor(make_shape(p.key_rows, p.key_cols));       // (rows, Hkv * d)
+    Tensor t_keys = group_modes<0, 3>(tma.get_slice(_0{}).partition_D(sK));       // (TMA, stages)
+    uint64_t* full = smem.key_full;
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < Traits::kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
+      cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+    uint32_t phases = 0;  // bit s: the parity of buffer s's next completion
     Tensor tSrK = wg.partition_fragment_A(sK);  // (MMA, MMA_M, MMA_K, stages)
     Tensor tSrQ = wg.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K)
     using TileS = Shape<Int<Traits::kStepKeys>, Int<Traits::kTileRows>>;
@@ -340,7 +314,7 @@ struct ScoreSelect {
     int64_t work = blockIdx.x;
     if (work >= p.num_segments) return;
     Work w = locate(p, work, cached, smem.tile);
-    if (w.steps > 0) issue_first_loads(sQ, copy_base, p, w);
+    if (w.steps > 0) issue_first_loads(sQ, tma, m_keys, t_keys, full, p, w);
     while (true) {
       const ScoreGeometry& g = w.geometry;
       const int64_t next_work = work + gridDim.x;
@@ -350,28 +324,30 @@ struct ScoreSelect {
       auto prefetch_next = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         if (has_next) {
           next = locate(p, next_work, cached, smem.tile);
-          if (next.steps > 0) issue_first_loads(sQ, copy_base, p, next);
+          if (next.steps > 0) issue_first_loads(sQ, tma, m_keys, t_keys, full, p, next);
         }
       };
       float running_max = -INFINITY;
       if (w.steps == 0) {
         prefetch_next();
       } else {
-        Element const* head_keys = head_keys_of(p, w);
-        // Step n: keys n visible to all (own copies, then the barrier, which also means every warp has waited
-        // for product n-1, so the other buffer may be refilled); product n; keys n+1 into the other buffer;
-        // wait for the product; reduce it. After the last product, the next tile's first loads.
+        // Step n: keys n landed (the buffer's mbarrier; in a tile's first step also the query rows' cp.async),
+        // then the CTA barrier, which also means every warp has waited for product n-1, so the other buffer
+        // may be refilled; product n; keys n+1 into the other buffer; wait for the product; reduce it. After
+        // the last product, the next tile's first loads.
         for (int n = 0; n < w.steps; ++n) {
-          cute::cp_async_wait<0>();
-          cutlass::arch::fence_view_async_shared();
+          const int stage = n % 2;
+          if (n == 0) {
+            cute::cp_async_wait<0>();  // the query rows
+            cutlass::arch::fence_view_async_shared();
+          }
+          cutlass::arch::ClusterTransactionBarrier::wait(&full[stage], (phases >> stage) & 1u);
+          phases ^= 1u << stage;
           __syncthreads();
           auto keys_now = tSrK(_, _, _, n % 2);
           hopper::warpgroup_gemm_issue<true>(mma, keys_now, tSrQ, acc);
           const bool last = n + 1 == w.steps;
-          if (!last) {
-            issue_step_keys(copy_base, head_keys, p.key_block_stride, n + 1, g.num_candidates, (n + 1) % 2);
-            cute::cp_async_fence();
-          }
+          if (!last) issue_keys_tma(tma, m_keys, t_keys, full, w, n + 1, (n + 1) % 2);
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_rc);
           if (last) {
@@ -434,11 +410,11 @@ struct ScoreSelect {
 };
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm) score_select_kernel(ScoreParams<typename Traits::Element> p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm) score_select_kernel(ScoreParams<typename Traits::Element> p, __grid_constant__ const typename Traits::TmaKeys tma) {
   extern __shared__ char smem_raw[];
   // The swizzled buffers need 1024-byte aligned addresses (the hardware swizzles on address bits).
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  ScoreSelect<Traits>::run(p, base);
+  ScoreSelect<Traits>::run(p, tma, base);
 }
 
 }  // namespace fpv2::index

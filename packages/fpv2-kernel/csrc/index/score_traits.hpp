@@ -3,7 +3,10 @@
 // reduction over rows stays inside a quad of lanes (fragment_layouts.hpp: a thread holds 2 keys x 32 rows).
 #pragma once
 
+#include <cstdint>
+
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 
@@ -38,6 +41,17 @@ struct ScoreTraits {
                                                    cute::Shape<cute::Int<kTileRows>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKeys = decltype(cute::tile_to_shape(
       SmemLayoutAtom{}, cute::Shape<cute::Int<kStepKeys>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+
+  // A step's keys by TMA: the pooled keys (total_blocks, Hkv, d) as a (total_blocks, Hkv * d) row-major matrix,
+  // one (64, d) box per step at row block_base + 64 n and column block `head`, into one stage of the buffer.
+  using TileKeys = cute::Shape<cute::Int<kStepKeys>, cute::Int<kHeadDim>>;
+  using SmemLayoutKeysStage = decltype(cute::tile_to_shape(SmemLayoutAtom{}, TileKeys{}));
+  static constexpr uint32_t kStepKeyBytes = uint32_t(kStepKeys * kHeadDim * sizeof(Element));
+  using TmaKeys = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                        cute::Shape<int32_t, int32_t>{}, cute::Stride<int64_t, cute::_1>{}),
+      SmemLayoutKeysStage{}, TileKeys{}, cute::_1{}));
 };
 
 // Shared memory of one CTA; the tile's log2 energies (one float per scored block) follow it.
@@ -46,6 +60,7 @@ struct ScoreSharedStorage {
   using Element = typename Traits::Element;
   alignas(1024) Element q[cute::cosize_v<typename Traits::SmemLayoutQ>];
   alignas(1024) Element keys[cute::cosize_v<typename Traits::SmemLayoutKeys>];
+  alignas(8) uint64_t key_full[Traits::kStages];  // one TMA transaction barrier a key buffer
   float warp_max[Traits::kThreads / 32];
   int32_t warp_count[Traits::kThreads / 32];
   int32_t tile[6];  // the CTA's request lookup (score_tile.hpp)
