@@ -23,6 +23,11 @@
 #                                                    cp.async): a smoke call, the scoring GPU tests, the A/B
 #                                                    against BIN (as scoring-ab), memcheck and racecheck, the
 #                                                    index package's GPU suite
+#   benchmarks/record_series_device_run.sh empty-barriers  the same checks and A/B for
+#                                                    experiments/score-empty-barriers.patch (KEYS_BIN, else
+#                                                    .carry/empty-barriers): no CTA barrier a step; thread 0 waits
+#                                                    on a buffer's empty mbarrier (one arrival a warp after its
+#                                                    product) before refilling it
 #   benchmarks/record_series_device_run.sh zero-all  with ZERO_BIN (built with score-zero-offset-all.patch, now in
 #                                                    results/2026-12-06-h100-record-series/: the launcher reads
 #                                                    FPV2_SCORE_ZERO_OFFSET, 1 = every instance with the zero
@@ -48,6 +53,12 @@
 #   UTMALDG a step replace 8 LDGSTS and their address arithmetic in every thread (static count 5,888 -> 5,544 at
 #   bf16 d = 128, 167 registers). Expected: the scoring kernel 4-8% faster at 128K (1.38 -> 1.27-1.32 ms on an
 #   H100) at every dtype and head dim, the same kept pairs, the tests and sanitizers clean. Below 2%: rejected.
+# - empty-barriers (32nd session or later, written before any run): the step's __syncthreads held 10.2% of the
+#   scoring kernel's stall samples (lines profile, before the keys by TMA). Without it a warp waits only for its
+#   keys (full barrier), and thread 0 before a refill only for every warp's previous product, not its reduction;
+#   the wgmma stays a warpgroup collective, so the warps still meet once a product. Expected: 2-5% off the kernel
+#   at 128K, same kept pairs, tests and sanitizers clean (racecheck matters here: the buffers are now released by
+#   mbarrier arrivals only). Below 1%: rejected.
 # - zero-all: the tests pass under both settings; bf16 d = 128 repeats last session's -3.5% (the control); fp16
 #   d = 128 the same -3 to -4% (same instruction stream but the wgmma's type); d = 64 -4 to -7% (half the
 #   product a key, the same exponentials, so they are a larger share of the step); 0 differing kept pairs.
@@ -114,10 +125,10 @@ if [ "$PART" = scoring-ab ]; then
   scoring_ab "$BIN" "${ZERO_BIN:-.carry/zero-all}"
 fi
 
-if [ "$PART" = keys-tma ]; then
+if [ "$PART" = keys-tma ] || [ "$PART" = empty-barriers ]; then
   # A smoke call first (a wrong barrier phase would hang every later call), then the scoring GPU tests, the A/B
-  # against BIN and compute-sanitizer, all on KEYS_BIN.
-  KEYS="${KEYS_BIN:-.carry/keys-tma}"
+  # against BIN and compute-sanitizer, all on the candidate (KEYS_BIN, else .carry/PART).
+  KEYS="${KEYS_BIN:-.carry/$PART}"
   BIN="$KEYS" with_packages timeout 60 python3 benchmarks/hopper_scoring_sanitize.py > "$LOGS/smoke.log" 2>&1
   smoke=$?
   echo "smoke: rc=$smoke $(tail -1 "$LOGS/smoke.log")"
