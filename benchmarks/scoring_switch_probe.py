@@ -8,7 +8,8 @@ call's time in rounds that alternate the settings (``--calls`` calls back to bac
 sample), and the index compared pair by pair with the first setting's. Prints one JSON line per shape.
 
 Usage (the packages' ``src`` on ``PYTHONPATH``, on an sm_90 GPU with the native library):
-``python benchmarks/scoring_switch_probe.py --env FPV2_SCORE_POLY_EXP --settings 0,2,3 --shapes 1x131072``
+``python benchmarks/scoring_switch_probe.py --env FPV2_SCORE_POLY_EXP --settings 0,2,3 --shapes 1x131072``;
+without ``--env`` it times the library as built (one setting, ``built``), for A/Bs of libraries process by process.
 """
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ def scoring_kernel_us(call, calls: int) -> float:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _apply(env: str | None, setting: str) -> None:
+    """Set the switch to ``setting`` (nothing to set without a switch)."""
+    if env is not None:
+        os.environ[env] = setting
+
+
 def shape_row(
-    batch: int, length: int, dtype: str, head_dim: int, env: str, settings: list[str], args: argparse.Namespace
+    batch: int, length: int, dtype: str, head_dim: int, env: str | None, settings: list[str], args: argparse.Namespace
 ) -> dict:
     """One shape: per setting the kernel's time, the select call's medians, and the index against the first."""
     w = planted_workload([length] * batch, num_q_heads=32, num_kv_heads=8, head_dim=head_dim, page_size=1,
@@ -61,7 +68,7 @@ def shape_row(
     num_blocks = -(-length // config.block_size)
     masks, kernels = {}, {}
     for setting in settings:
-        os.environ[env] = setting
+        _apply(env, setting)
         timed(call, 2)  # warm-up
         index = select_blocks_triton(w.q, w.batch, stats, config=config, exact_nnz=True)
         masks[setting] = index.to_dense_mask(num_blocks)
@@ -69,7 +76,7 @@ def shape_row(
     samples: dict[str, list[float]] = {s: [] for s in settings}
     for r in range(args.rounds):
         for setting in settings if r % 2 == 0 else settings[::-1]:
-            os.environ[env] = setting
+            _apply(env, setting)
             samples[setting].append(timed(call, args.calls))
     first = masks[settings[0]]
     return {
@@ -91,8 +98,8 @@ def shape_row(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--env", required=True, help="the environment switch, e.g. FPV2_SCORE_POLY_EXP")
-    parser.add_argument("--settings", required=True, help="its values, comma-separated; the first is the baseline")
+    parser.add_argument("--env", help="the environment switch, e.g. FPV2_SCORE_POLY_EXP (none: the library as built)")
+    parser.add_argument("--settings", help="its values, comma-separated; the first is the baseline")
     parser.add_argument("--shapes", nargs="+", default=["1x32768", "1x131072", "4x131072"], help="BxL entries")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="element types")
     parser.add_argument("--head-dims", nargs="+", type=int, choices=(64, 128), default=[128], help="head dims")
@@ -103,11 +110,13 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a name for the library under test, copied into the JSON")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines file to append the rows to")
     args = parser.parse_args()
+    if (args.env is None) != (args.settings is None):
+        parser.error("--env and --settings go together")
     if not torch.cuda.is_available():
         raise SystemExit("scoring_switch_probe needs a CUDA GPU (the Hopper scoring kernel)")
     os.environ[SCORING_ENV] = "hopper"
-    previous = os.environ.get(args.env)
-    settings = args.settings.split(",")
+    previous = os.environ.get(args.env) if args.env is not None else None
+    settings = args.settings.split(",") if args.env is not None else ["built"]
     for dtype, head_dim, shape in itertools.product(args.dtypes, args.head_dims, args.shapes):
         batch, length = (int(x) for x in shape.split("x"))
         row = shape_row(batch, length, dtype, head_dim, args.env, settings, args)
@@ -117,6 +126,8 @@ def main() -> None:
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         torch.cuda.empty_cache()
+    if args.env is None:
+        return
     if previous is None:  # the launcher reads the switch at every launch: put back what the caller had
         os.environ.pop(args.env, None)
     else:

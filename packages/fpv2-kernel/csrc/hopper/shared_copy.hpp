@@ -19,11 +19,6 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_address, void co
                : "memory");
 }
 
-// The same 16-byte copy with no bounds predicate, for rows known to lie inside the source.
-__device__ __forceinline__ void cp_async_16(uint32_t smem_address, void const* src) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem_address), "l"(src) : "memory");
-}
-
 // 16 bytes from a 32-bit shared-memory address (one LDS.128; a generic pointer into the swizzled layouts
 // compiles to 64-bit address arithmetic and generic loads). Volatile: kept after the barrier that publishes them.
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t smem_address) {

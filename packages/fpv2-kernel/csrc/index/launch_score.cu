@@ -23,7 +23,6 @@ ScoreParams<Element> make_params(const fpv2_score_args_t& a) {
   p.keys = static_cast<Element const*>(a.keys.data);
   p.key_block_stride = a.keys.shape[1] * a.keys.shape[2];
   p.key_rows = int32_t(a.keys.shape[0]);
-  p.key_cols = int32_t(a.keys.shape[1] * a.keys.shape[2]);
   p.cu_seqlens_q = static_cast<int32_t const*>(a.cu_seqlens_q.data);
   p.seqlens_k = static_cast<int32_t const*>(a.seqlens_k.data);
   p.block_offsets = static_cast<int32_t const*>(a.block_offsets.data);
@@ -93,7 +92,7 @@ int32_t launch_for(const fpv2_score_args_t& args, cudaStream_t stream, int devic
     const int64_t ctas = std::min<int64_t>(p.num_segments, int64_t(ctas_per_sm) * sm_count);
     FPV2_RETURN_IF_ERROR(hopper::check_tensor_map_entry_point("fpv2_score_blocks", "the TMA loads of the keys"));
     using namespace cute;
-    Tensor key_matrix = make_tensor(make_gmem_ptr(p.keys), make_shape(p.key_rows, p.key_cols),
+    Tensor key_matrix = make_tensor(make_gmem_ptr(p.keys), make_shape(p.key_rows, int32_t(p.key_block_stride)),
                                     make_stride(p.key_block_stride, _1{}));
     const typename Traits::TmaKeys tma_keys = make_tma_copy(
         SM90_TMA_LOAD{}, key_matrix, typename Traits::SmemLayoutKeysStage{}, typename Traits::TileKeys{}, _1{});

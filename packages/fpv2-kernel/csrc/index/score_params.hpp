@@ -12,9 +12,8 @@ struct ScoreParams {
   int64_t q_token_stride;
   int64_t q_head_stride;
   Element const* keys;        // (total_blocks, Hkv, d) contiguous, prescaled to log2 logit units
-  int64_t key_block_stride;   // Hkv * d
+  int64_t key_block_stride;   // Hkv * d, also the columns of the keys' TMA view
   int32_t key_rows;           // total_blocks (the keys' TMA extent)
-  int32_t key_cols;           // Hkv * d
   int32_t const* cu_seqlens_q;
   int32_t const* seqlens_k;
   int32_t const* block_offsets;

@@ -292,7 +292,7 @@ struct ScoreSelect {
     auto wg = mma.get_thread_slice(0);  // descriptors depend on the warpgroup only
     Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.keys), typename Traits::SmemLayoutKeys{});
-    Tensor m_keys = tma.get_tma_tensor(make_shape(p.key_rows, p.key_cols));       // (rows, Hkv * d)
+    Tensor m_keys = tma.get_tma_tensor(make_shape(p.key_rows, int32_t(p.key_block_stride)));       // (rows, Hkv * d)
     Tensor t_keys = group_modes<0, 3>(tma.get_slice(_0{}).partition_D(sK));       // (TMA, stages)
     uint64_t* full = smem.key_full;
     if (threadIdx.x == 0) {

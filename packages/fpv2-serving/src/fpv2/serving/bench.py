@@ -244,6 +244,24 @@ def _measure(fn: Callable[[], object], cfg: BenchConfig, device: torch.device, t
     return _Measured(samples, stages, result, gpu_samples, gpu_stages if gpu_samples is not None else [], True, clock)
 
 
+def _speedup(dense_ms: float | None, ms: float) -> float | None:
+    """Own dense time over this row's (None without a dense row or a time)."""
+    return dense_ms / ms if dense_ms is not None and ms > 0 else None
+
+
+def _measure_pipeline(
+    pipe: SparsePrefillPipeline, inputs: _Inputs, cfg: BenchConfig, device: torch.device, tick: Callable[[], None]
+) -> tuple[_Measured, PrefillResult, dict[str, float]]:
+    """:func:`_measure` of one pipeline on the bench inputs: the samples, the last result and the stage medians."""
+    batch = inputs.workload.batch
+    measured = _measure(
+        lambda: pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales), cfg, device, tick
+    )
+    result = measured.result
+    assert isinstance(result, PrefillResult)
+    return measured, result, _stage_medians(measured.stages)
+
+
 def _gpu_speedup(dense_gpu: dict[str, object], gpu: dict[str, object]) -> dict[str, object]:
     """``gpu_speedup``: own dense over this row, both timed with the host ahead (``{}`` without both)."""
     if dense_gpu.get("gpu_ms") is None or gpu.get("gpu_ms") is None:
@@ -361,15 +379,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                 config_for(cfg.alphas[0]), strategy=DENSE_STRATEGY, correction=False, backend=backend
             )
             bar.set_postfix_str("fpv2 dense")
-            measured = _measure(
-                lambda: dense_pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
-                cfg,
-                device,
-                bar.update,
-            )
-            samples, result = measured.samples, measured.result
-            assert isinstance(result, PrefillResult)
-            split = _stage_medians(measured.stages)
+            measured, result, split = _measure_pipeline(dense_pipe, inputs, cfg, device, bar.update)
+            samples = measured.samples
             dense_gpu = measured.gpu_fields(stage_ms="attention_ms")
             dense_ms = split["attention_ms"]  # the dense mode needs no selection: time its attention stage
             rows.append(
@@ -419,7 +430,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                     "rel_err": relative_l2_error(packed, ref),
                     "needle_rel_err": needle_error(packed),
                     "tflops": tflops(dense_flops, ms),
-                    "speedup": dense_ms / ms if dense_ms is not None and ms > 0 else None,
+                    "speedup": _speedup(dense_ms, ms),
                     **gpu_timing,
                     **_gpu_speedup(dense_gpu, gpu_timing),
                 }
@@ -436,15 +447,8 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
             )
             label = f"on ({shift})" if correction and shift != "mean" else "on" if correction else "off"
             bar.set_postfix_str(f"alpha={alpha:g} correction={label}")
-            measured = _measure(
-                lambda pipe=pipe: pipe(inputs.q, inputs.k_cache, inputs.v_cache, batch, **inputs.descales),
-                cfg,
-                device,
-                bar.update,
-            )
-            samples, result = measured.samples, measured.result
-            assert isinstance(result, PrefillResult)
-            split = _stage_medians(measured.stages)
+            measured, result, split = _measure_pipeline(pipe, inputs, cfg, device, bar.update)
+            samples = measured.samples
             gpu_timing = measured.gpu_fields()
             ms = median(samples)
             density = float(result.index.density(batch))
@@ -463,7 +467,7 @@ def run_bench(cfg: BenchConfig, *, echo: Callable[[str], None] = print, console:
                 "rel_err": relative_l2_error(result.out, ref),
                 "needle_rel_err": needle_error(result.out),
                 "tflops": tflops(dense_flops, ms),
-                "speedup": dense_ms / ms if dense_ms is not None and ms > 0 else None,
+                "speedup": _speedup(dense_ms, ms),
                 "dense_scaled_ms": density * dense_ms if dense_ms is not None else None,
                 **gpu_timing,
                 **_gpu_speedup(dense_gpu, gpu_timing),
