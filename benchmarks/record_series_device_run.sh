@@ -27,12 +27,14 @@
 # - record (on an H200, with the scoring kernel of 942a90e): 128K host-ahead 12.95-13.15 ms (the 26th session's
 #   13.248 less the scoring kernel's ~0.16 ms, within the spread between processes), 4 x 128K 54.0-54.4 (54.875
 #   less ~0.6). 4 x 128K stays above 50.
-# - scoring-candidate with experiments/score-empty-barriers.patch: the step's __syncthreads held 10.2% of the
+# - scoring-candidate with score-empty-barriers.patch: the step's __syncthreads held 10.2% of the
 #   scoring kernel's stall samples (lines profile, before the keys by TMA). Without it a warp waits only for its
 #   keys (full barrier), and thread 0 before a refill only for every warp's previous product, not its reduction;
 #   the wgmma stays a warpgroup collective, so the warps still meet once a product. Expected: 2-5% off the kernel
 #   at 128K, same kept pairs, tests and sanitizers clean (racecheck matters here: the buffers are now released by
 #   mbarrier arrivals only). Below 1%: rejected.
+#   Measured (32nd session, H100): 0.0 to +0.8% slower, clean; rejected
+#   (benchmarks/results/2026-12-06-h100-scoring-empty-barriers/).
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; CAND_BIN [.carry/candidate]; RUNS; OUT.
 set -u -o pipefail
