@@ -9,6 +9,24 @@
 #   benchmarks/attention_schedule_device_run.sh rows   fpv2 bench --sparse-only rows at 128K, page 1, mean
 #                                                      correction, FPV2_HOPPER_PERSISTENT=0 and =$SETTING
 #                                                      [dynamic] alternating, A B B A, one process a row
+#   benchmarks/attention_schedule_device_run.sh profile  ncu of the 128K corrected attention launch under
+#                                                      FPV2_HOPPER_PERSISTENT=0 and =dynamic: first at locked base
+#                                                      clocks (ncu's default; speed of light, warp states,
+#                                                      scheduler, memory), then at free clocks (duration and mean
+#                                                      SM clock only), each setting in its own process
+#   benchmarks/attention_schedule_device_run.sh order  the work order (FPV2_HOPPER_WORK_ORDER=1: tiles by decreasing
+#                                                      kept-block work, two small kernels before the launch) with
+#                                                      persistent CTAs: attention_switch_probe.py at 128K (off,
+#                                                      mean) three ways: PERSISTENT 0 / dynamic; the same with the
+#                                                      order on; the order 0 / 1 under dynamic
+#   benchmarks/attention_schedule_device_run.sh combined  the default against dynamic + order in one process
+#                                                      (--env-sets): 128K (off, mean) and 4 x 128K (mean); then
+#                                                      fpv2 bench --sparse-only rows at 128K, A B B A
+#   benchmarks/attention_schedule_device_run.sh land-default  with experiments/default-tile-queue.patch applied to
+#                                                      the tree and BIN built from it: the queue / order GPU tests
+#                                                      (the patch's two new ones among them), the kernel package's
+#                                                      GPU suite, then --sparse-only rows at 128K, the new default
+#                                                      against FPV2_HOPPER_PERSISTENT=0, A B B A
 #
 # Why (NOTES.md, tenth session): with only the forced blocks a tile (keep 0) the dynamic queue was 21% faster
 # than one CTA per tile at 128K, about 1.6 us a tile, the prologue and epilogue that a persistent CTA hides. At the
@@ -25,6 +43,32 @@
 #
 # Measured (32nd session, H100; results/2026-12-06-h100-attention-schedule/): dynamic -2.3% at 128K mean, +1.0% off,
 # -0.7% at 4 x 128K; rows -1.1% (inside their spread). Snake +2.6 to +11.9%. The default stays one CTA per tile.
+#
+# Predictions for `profile` (written before it ran, after the probe and rows above): at locked clocks dynamic
+# is 3-5% faster than one CTA per tile (its hidden prologue, ~1.6 us a tile at keep 0); at free clocks its mean SM
+# clock is 1-3% lower (the board is at its power cap, and busier tensor cores draw more), which leaves the 1-2%
+# measured. If the locked-clock difference is also about 1%, power is not the story and the persistent consumers
+# lose the rest in their steps.
+#
+# Predictions for `order` (written before it ran, after `profile` on an H200): under the queue the SMs were active
+# 2.4% fewer cycles than with one CTA per tile but for 95.3% of the elapsed cycles against 97.1%. If that idle time
+# is the tail (the last tiles of head-major order are heavy-to-light within each KV head, but a late heavy tile can
+# still run alone), the order (globally heaviest first) recovers 1-1.5 points under the queue: dynamic + order -2 to
+# -3.5% against one CTA per tile, and the order alone under the queue -1 to -1.5%. With one CTA per tile the order
+# changes little at B = 1 (+-1%; the tenth session measured it slower on uneven batches). If the idle time is at the
+# start (the first tile of every CTA has no hidden prologue), the order changes nothing.
+#
+# Measured (`order`, an H100): under the queue the order took -8.0% (off) and -3.7% (mean) in one process; the queue
+# against one CTA per tile, both without the order, +2.5% / +1.0% on that machine (-2.3% mean on the first H100).
+# Predictions for `combined` (written before it ran, from those in-process ratios): dynamic + order against the
+# default -4 to -7% uncorrected and -2 to -4% corrected at 128K, -2 to -4% at 4 x 128K; the rows -1.5 to -3%. Outputs
+# identical.
+#
+# Measured (`combined`, an H100): -7.0% / -5.5% at 128K (off / mean), -1.6% at 4 x 128K; rows -3.6%; outputs equal.
+# Predictions for `land-default` (written in the 32nd session, before it ran): every test passes (the new ones:
+# the default's workspace equals the explicit queue + order's, its output equals one CTA per tile's bit for bit,
+# the calls the rule leaves out ask for no workspace); the rows move as `combined`'s: the default 2.5-4.5% below
+# FPV2_HOPPER_PERSISTENT=0, the same error.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; OUT.
 set -u -o pipefail
@@ -65,5 +109,109 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
         if r["impl"].startswith("fpv2-sparse"):
             print(path.parent.name, "ms", round(r["ms"], 3), "gpu_ms", round(r["gpu_ms"], 3),
                   "attn", round(r["gpu_attention_ms"], 3), "err", round(r["rel_err"], 4))
+EOF
+fi
+
+if [ "$PART" = profile ]; then
+  for setting in 0 dynamic; do
+    FPV2_HOPPER_PERSISTENT="$setting" with_packages timeout 200 ncu --kernel-name regex:prefill_kernel \
+      --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+      --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_active.avg,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_elapsed \
+      python3 benchmarks/attention_switch_probe.py --switch FPV2_HOPPER_PERSISTENT --settings "$setting" \
+      --seqlen 131072 --modes mean --rounds 1 --calls 1 --label "ncu-$setting" > "$RESULTS/ncu-locked-$setting.txt" 2>&1
+    echo "ncu locked $setting: rc=$?"
+    grep -E "gpu__time_duration|sm__cycles_elapsed.avg |sm__cycles_active|sector_hit_rate|dram__bytes_read|pipe_tensor_cycles|pipe_shared_cycles|issue_active|Grid Size|Issue Slots Busy|No Eligible|Active Warps Per Scheduler" \
+      "$RESULTS/ncu-locked-$setting.txt" | cut -c1-120
+  done
+  for setting in 0 dynamic 0 dynamic; do
+    FPV2_HOPPER_PERSISTENT="$setting" with_packages timeout 120 ncu --clock-control none \
+      --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 3 \
+      --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_elapsed.avg.per_second \
+      python3 benchmarks/attention_switch_probe.py --switch FPV2_HOPPER_PERSISTENT --settings "$setting" \
+      --seqlen 131072 --modes mean --rounds 1 --calls 3 --label "ncu-free-$setting" \
+      >> "$RESULTS/ncu-free-$setting.txt" 2>&1
+    echo "ncu free $setting: rc=$?"
+  done
+  grep -HE "gpu__time_duration|sm__cycles_elapsed.avg.per_second" "$RESULTS"/ncu-free-*.txt | sed 's#.*/##' | cut -c1-120
+fi
+
+if [ "$PART" = order ]; then
+  probe() {  # probe LABEL SWITCH SETTINGS: attention_switch_probe.py at 128K, off and mean, into order-probe.jsonl
+    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --switch "$2" --settings "$3" \
+      --seqlen 131072 --modes off,mean --rounds 8 --calls 3 --label "$1" >> "$RESULTS/order-probe.jsonl" \
+      2> "$LOGS/probe-$1.log"
+    echo "probe $1: rc=$?"
+  }
+  probe no-order FPV2_HOPPER_PERSISTENT 0,dynamic
+  FPV2_HOPPER_WORK_ORDER=1 probe order FPV2_HOPPER_PERSISTENT 0,dynamic
+  FPV2_HOPPER_PERSISTENT=dynamic probe dynamic FPV2_HOPPER_WORK_ORDER 0,1
+  python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    s = list(r["median_ms"])
+    base = r["median_ms"][s[0]]
+    print(r["label"], r["switch"], r["mode"],
+          {k: f"{m:.3f} ({100 * (m / base - 1):+.1f}%)" for k, m in r["median_ms"].items()},
+          "min", r["min_ms"], "max diff", r[f"max_abs_difference_vs_{s[0]}"])' "$RESULTS/order-probe.jsonl"
+fi
+
+if [ "$PART" = combined ]; then
+  default="FPV2_HOPPER_PERSISTENT=0"
+  queued="FPV2_HOPPER_PERSISTENT=dynamic:FPV2_HOPPER_WORK_ORDER=1"
+  for shape in "1 off,mean" "4 mean"; do
+    read -r batch modes <<< "$shape"
+    with_packages timeout 200 python3 benchmarks/attention_switch_probe.py --env-sets "$default" "$queued" \
+      --seqlen 131072 --batch "$batch" --modes "$modes" --rounds 8 --calls 3 --label "B$batch" \
+      >> "$RESULTS/combined-probe.jsonl" 2> "$LOGS/combined-b$batch.log"
+    echo "probe B=$batch: rc=$?"
+  done
+  python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    (a, ma), (b, mb) = r["median_ms"].items()
+    print("B", r["batch"], r["mode"], f"default {ma:.3f}, queue + order {mb:.3f} ({100 * (mb / ma - 1):+.1f}%)",
+          "min", list(r["min_ms"].values()), "max diff", list(r[f"max_abs_difference_vs_{a}"].values()))' \
+    "$RESULTS/combined-probe.jsonl"
+  for value in default queued queued default; do
+    run=$((${run:-0} + 1))
+    if [ "$value" = queued ]; then
+      FPV2_HOPPER_PERSISTENT=dynamic FPV2_HOPPER_WORK_ORDER=1 bench_row 1 131072 "bench-128k-$run-$value" 120 \
+        --page-size 1 --backend hopper --sparse-only
+    else
+      bench_row 1 131072 "bench-128k-$run-$value" 120 --page-size 1 --backend hopper --sparse-only
+    fi
+  done
+  python3 - "$RESULTS" <<'EOF'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
+    for r in json.loads(path.read_text())["rows"]:
+        if r["impl"].startswith("fpv2-sparse"):
+            print(path.parent.name, "gpu_ms", round(r["gpu_ms"], 3), "attn", round(r["gpu_attention_ms"], 3),
+                  "err", round(r["rel_err"], 4))
+EOF
+fi
+
+if [ "$PART" = land-default ]; then
+  gpu_tests queue 240 packages/fpv2-kernel/tests/test_hopper_kernel.py -m hopper -k "tile_queue or work_order"
+  gpu_tests kernel-suite 300 packages/fpv2-kernel/tests -m "gpu or hopper"
+  for value in default one-per-tile one-per-tile default; do
+    run=$((${run:-0} + 1))
+    if [ "$value" = default ]; then
+      bench_row 1 131072 "bench-128k-$run-$value" 120 --page-size 1 --backend hopper --sparse-only
+    else
+      FPV2_HOPPER_PERSISTENT=0 bench_row 1 131072 "bench-128k-$run-$value" 120 --page-size 1 --backend hopper \
+        --sparse-only
+    fi
+  done
+  python3 - "$RESULTS" <<'EOF'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
+    for r in json.loads(path.read_text())["rows"]:
+        if r["impl"].startswith("fpv2-sparse"):
+            print(path.parent.name, "gpu_ms", round(r["gpu_ms"], 3), "attn", round(r["gpu_attention_ms"], 3),
+                  "err", round(r["rel_err"], 4))
 EOF
 fi

@@ -17,6 +17,9 @@
 #                                                    default on sm_90)
 #   benchmarks/record_series_device_run.sh kernels   pipeline_profile.py at 128K, B = 1 and B = 4 (page 1, Hopper
 #                                                    backend): each kernel's GPU time
+#   benchmarks/record_series_device_run.sh gap       host_ahead_gap_probe.py at 128K (page 1, Hopper backend, mean
+#                                                    correction): the bench's host-ahead time against the same
+#                                                    calls' kernels under torch.profiler (sum, gaps, span)
 #   benchmarks/record_series_device_run.sh scoring-candidate  a scoring-kernel candidate in CAND_BIN: a smoke call
 #                                                    (a wrong barrier phase would hang every later call), the
 #                                                    scoring GPU tests, the kernel's time at 128K (bf16 / fp16,
@@ -35,6 +38,10 @@
 #   mbarrier arrivals only). Below 1%: rejected.
 #   Measured (32nd session, H100): 0.0 to +0.8% slower, clean; rejected
 #   (benchmarks/results/2026-12-06-h100-scoring-empty-barriers/).
+# - gap (32nd session, after H200 rows of 13.23-13.30 ms host-ahead against a kernel sum of 12.94 in
+#   pipeline_profile's eager calls): the profiled host-ahead calls' gaps total <= 0.05 ms and their kernels sum to
+#   within 0.05 ms of the events, so the 0.3 ms is the kernels running slower in host-ahead calls (after the spin)
+#   than back to back, not idle time. A gap >= 0.2 ms at one kernel boundary would say the opposite.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; CAND_BIN [.carry/candidate]; RUNS; OUT.
 set -u -o pipefail
@@ -110,6 +117,13 @@ for line in open(sys.argv[1]):
     done
     BIN="$CAND" gpu_tests index-candidate 150 packages/fpv2-index/tests -m gpu
   fi
+fi
+
+if [ "$PART" = gap ]; then
+  with_packages timeout 240 python3 benchmarks/host_ahead_gap_probe.py --seqlen 131072 --rounds 8 \
+    --out "$RESULTS/host-ahead-gap-128k.json" > "$RESULTS/host-ahead-gap-128k.txt" 2>&1
+  echo "gap probe: rc=$?"
+  cut -c1-1500 "$RESULTS/host-ahead-gap-128k.txt"
 fi
 
 if [ "$PART" = index ]; then
