@@ -102,14 +102,7 @@ if [ "$PART" = rows ]; then
     FPV2_HOPPER_PERSISTENT="$value" bench_row 1 131072 "bench-128k-$run-persistent-$value" 120 --page-size 1 \
       --backend hopper --sparse-only
   done
-  python3 - "$RESULTS" <<'EOF'
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
-    for r in json.loads(path.read_text())["rows"]:
-        if r["impl"].startswith("fpv2-sparse"):
-            print(path.parent.name, "ms", round(r["ms"], 3), "gpu_ms", round(r["gpu_ms"], 3),
-                  "attn", round(r["gpu_attention_ms"], 3), "err", round(r["rel_err"], 4))
-EOF
+  sparse_rows_table
 fi
 
 if [ "$PART" = profile ]; then
@@ -184,14 +177,7 @@ for line in open(sys.argv[1]):
       bench_row 1 131072 "bench-128k-$run-$value" 120 --page-size 1 --backend hopper --sparse-only
     fi
   done
-  python3 - "$RESULTS" <<'EOF'
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
-    for r in json.loads(path.read_text())["rows"]:
-        if r["impl"].startswith("fpv2-sparse"):
-            print(path.parent.name, "gpu_ms", round(r["gpu_ms"], 3), "attn", round(r["gpu_attention_ms"], 3),
-                  "err", round(r["rel_err"], 4))
-EOF
+  sparse_rows_table
 fi
 
 if [ "$PART" = land-default ]; then
@@ -206,12 +192,5 @@ if [ "$PART" = land-default ]; then
         --sparse-only
     fi
   done
-  python3 - "$RESULTS" <<'EOF'
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
-    for r in json.loads(path.read_text())["rows"]:
-        if r["impl"].startswith("fpv2-sparse"):
-            print(path.parent.name, "gpu_ms", round(r["gpu_ms"], 3), "attn", round(r["gpu_attention_ms"], 3),
-                  "err", round(r["rel_err"], 4))
-EOF
+  sparse_rows_table
 fi

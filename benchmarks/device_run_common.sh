@@ -4,7 +4,8 @@
 # sources and the library in $BIN (nothing of the project is installed on the device); bench_row runs one fpv2 bench
 # row of the planted pipeline into $RESULTS (set by the script); gpu_tests runs pytest into $LOGS; summary reads a
 # native timing log; host_breakdown_128k runs the host breakdown of a 128K call; with_clocks samples the GPU's clock
-# while a command runs; read_candidates, attention_rounds and attention_table drive library A/Bs.
+# while a command runs; read_candidates, attention_rounds and attention_table drive library A/Bs; sparse_rows_table
+# prints the sparse pipeline rows of the bench JSONs under $RESULTS.
 device_run_start() {
   ROOT="$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)"
   cd "$ROOT" || exit 1
@@ -123,4 +124,19 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     print(r["label"], r["seqlen"], r["mode"], r["median_ms"], r["min_ms"])
 ' "$RESULTS/$1"
+}
+
+# The sparse pipeline rows of the fpv2 bench JSONs under $RESULTS (one folder a row, as bench_row writes them): the
+# GPU, eager and host-ahead milliseconds, the host-ahead index and attention stages and the error: sparse_rows_table
+sparse_rows_table() {
+  python3 - "$RESULTS" <<'EOF'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
+    for r in json.loads(path.read_text())["rows"]:
+        if r["impl"].startswith("fpv2-sparse"):
+            stages = [r.get(key) for key in ("gpu_ms", "gpu_index_ms", "gpu_attention_ms")]
+            gpu_ms, index_ms, attention_ms = (None if v is None else round(v, 3) for v in stages)
+            print(path.parent.name, r["gpu"], "ms", round(r["ms"], 3), "gpu_ms", gpu_ms, "index", index_ms,
+                  "attn", attention_ms, "err", round(r["rel_err"], 4))
+EOF
 }

@@ -73,14 +73,7 @@ if [ "$PART" = protocol ]; then
 fi
 
 if [ "$PART" = series ] || [ "$PART" = record ] || [ "$PART" = protocol ]; then
-  python3 - "$RESULTS" <<'EOF'
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*/bench-*.json")):
-    for r in json.loads(path.read_text())["rows"]:
-        if r["impl"].startswith("fpv2-sparse"):
-            print(path.parent.name, r["gpu"], "ms", round(r["ms"], 3), "gpu_ms", r.get("gpu_ms"),
-                  "index", r.get("gpu_index_ms"), "attn", r.get("gpu_attention_ms"), "err", round(r["rel_err"], 4))
-EOF
+  sparse_rows_table
 fi
 
 if [ "$PART" = kernels ]; then
