@@ -22,6 +22,10 @@
 #   benchmarks/attention_schedule_device_run.sh combined  the default against dynamic + order in one process
 #                                                      (--env-sets): 128K (off, mean) and 4 x 128K (mean); then
 #                                                      fpv2 bench --sparse-only rows at 128K, A B B A
+#   benchmarks/attention_schedule_device_run.sh sizes  where else the queue in the work order pays (shipped library,
+#                                                      no patch needed): --env-sets default against queue + order
+#                                                      at 8K, 32K, 64K (B = 1), 4 x 32K, and a 16K chunk after a
+#                                                      112K cached prefix; mean correction (32K also off)
 #   benchmarks/attention_schedule_device_run.sh land-default  with experiments/default-tile-queue.patch applied to
 #                                                      the tree and BIN built from it: the queue / order GPU tests
 #                                                      (the patch's two new ones among them), the kernel package's
@@ -70,6 +74,11 @@
 # the calls the rule leaves out ask for no workspace); the rows move as `combined`'s: the default 2.5-4.5% below
 # FPV2_HOPPER_PERSISTENT=0, the same error.
 #
+# Predictions for `sizes` (32nd session, before any run): the gain shrinks with the tiles a call has, since the
+# order has fewer heavy tiles to put first and the queue fewer prologues to hide: 64K -3 to -5%, 32K and 4 x 32K
+# -1 to -4%, 8K (2,048 tiles, ~15 waves) -2 to +2%; the chunk after a prefix (4,096 heavy tiles, uneven work) -2
+# to -6%. If 32K and the chunk gain >= 2%, the default's threshold should come down to them.
+#
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
@@ -77,6 +86,17 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 device_run_start attention-schedule "${1:-probe}" "${BIN:-.carry/head}"
 RESULTS="$LOGS/results"  # inside the part's archive: the device returns files at most two folders down
 mkdir -p "$RESULTS"
+
+# The default against queue + order from attention_switch_probe.py --env-sets JSON lines: pair_table FILE
+pair_table() {
+  python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    (a, ma), (b, mb) = r["median_ms"].items()
+    print(r["label"], r["mode"], f"default {ma:.3f}, queue + order {mb:.3f} ({100 * (mb / ma - 1):+.1f}%)",
+          "min", list(r["min_ms"].values()), "max diff", list(r[f"max_abs_difference_vs_{a}"].values()))' "$1"
+}
 
 if [ "$PART" = probe ]; then
   for shape in "1 off,mean" "4 mean"; do
@@ -160,14 +180,7 @@ if [ "$PART" = combined ]; then
       >> "$RESULTS/combined-probe.jsonl" 2> "$LOGS/combined-b$batch.log"
     echo "probe B=$batch: rc=$?"
   done
-  python3 -c '
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    (a, ma), (b, mb) = r["median_ms"].items()
-    print("B", r["batch"], r["mode"], f"default {ma:.3f}, queue + order {mb:.3f} ({100 * (mb / ma - 1):+.1f}%)",
-          "min", list(r["min_ms"].values()), "max diff", list(r[f"max_abs_difference_vs_{a}"].values()))' \
-    "$RESULTS/combined-probe.jsonl"
+  pair_table "$RESULTS/combined-probe.jsonl"
   for value in default queued queued default; do
     run=$((${run:-0} + 1))
     if [ "$value" = queued ]; then
@@ -193,4 +206,17 @@ if [ "$PART" = land-default ]; then
     fi
   done
   sparse_rows_table
+fi
+
+if [ "$PART" = sizes ]; then
+  default="FPV2_HOPPER_PERSISTENT=0"
+  queued="FPV2_HOPPER_PERSISTENT=dynamic:FPV2_HOPPER_WORK_ORDER=1"
+  for shape in "8192 1 0 mean" "32768 1 0 off,mean" "65536 1 0 mean" "32768 4 0 mean" "16384 1 114688 mean"; do
+    read -r seqlen batch prefix modes <<< "$shape"
+    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --env-sets "$default" "$queued" \
+      --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes "$modes" --rounds 10 --calls 5 \
+      --label "L$seqlen-B$batch-P$prefix" >> "$RESULTS/sizes-probe.jsonl" 2> "$LOGS/sizes-$seqlen-$batch-$prefix.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix: rc=$?"
+  done
+  pair_table "$RESULTS/sizes-probe.jsonl"
 fi

@@ -82,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each request's queries")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--drift-tokens", type=float, default=None)
@@ -110,7 +111,8 @@ def main() -> None:
     names = sorted({name for env in env_sets.values() for name in env})
     previous = {name: os.environ.get(name) for name in names}
     shape = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": args.page_size}
-    wl = planted_workload([args.seqlen] * args.batch, **shape, dtype=torch.bfloat16, device=torch.device("cuda"),
+    seqlens_q, seqlens_k = [args.seqlen] * args.batch, [args.prefix + args.seqlen] * args.batch
+    wl = planted_workload(seqlens_q, seqlens_k, **shape, dtype=torch.bfloat16, device=torch.device("cuda"),
                           drift_tokens=args.drift_tokens)  # fmt: skip
     config = SelectionConfig(alpha=args.alpha)
     wanted = args.modes.split(",")
@@ -133,7 +135,7 @@ def main() -> None:
         differences = {s: (outputs[s] - first).abs().max().item() for s in settings[1:]}
         print(json.dumps({
             "label": args.label, "switch": args.switch or "+".join(names), "mode": label, "seqlen": args.seqlen,
-            "batch": args.batch,
+            "batch": args.batch, "prefix": args.prefix,
             "page_size": args.page_size, "drift_tokens": args.drift_tokens, "alpha": args.alpha,
             "rounds": args.rounds, "calls": args.calls,
             "median_ms": {s: round(statistics.median(t), 4) for s, t in times.items()},
