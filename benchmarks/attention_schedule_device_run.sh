@@ -22,6 +22,8 @@
 #   benchmarks/attention_schedule_device_run.sh combined  the default against dynamic + order in one process
 #                                                      (--env-sets): 128K (off, mean) and 4 x 128K (mean); then
 #                                                      fpv2 bench --sparse-only rows at 128K, A B B A
+#   benchmarks/attention_schedule_device_run.sh order-profile  the `profile` part's locked-clock ncu for the queue,
+#                                                      the queue in the work order, and one CTA per tile
 #   benchmarks/attention_schedule_device_run.sh sizes  where else the queue in the work order pays (shipped library,
 #                                                      no patch needed): --env-sets default against queue + order
 #                                                      at 8K, 32K, 64K (B = 1), 4 x 32K, and a 16K chunk after a
@@ -74,6 +76,11 @@
 # the calls the rule leaves out ask for no workspace); the rows move as `combined`'s: the default 2.5-4.5% below
 # FPV2_HOPPER_PERSISTENT=0, the same error.
 #
+# Predictions for `order-profile` (32nd session, before any run): if the order's 4-8% under the queue is balance,
+# the queue's SM-active share of the elapsed cycles (95.3% on the H200) rises to one CTA per tile's 97% or more at
+# about the same active cycles; if it is locality, the L2 hit rate rises or the DRAM bytes fall, and the active
+# cycles drop.
+#
 # Predictions for `sizes` (32nd session, before any run): the gain shrinks with the tiles a call has, since the
 # order has fewer heavy tiles to put first and the queue fewer prologues to hide: 64K -3 to -5%, 32K and 4 x 32K
 # -1 to -4%, 8K (2,048 tiles, ~15 waves) -2 to +2%; the chunk after a prefix (4,096 heavy tiles, uneven work) -2
@@ -125,28 +132,40 @@ if [ "$PART" = rows ]; then
   sparse_rows_table
 fi
 
+# ncu of the 128K corrected attention launch under one --env-sets setting, at locked base clocks, into
+# $RESULTS/ncu-locked-NAME.txt, its key lines printed: ncu_locked NAME SETTING
+ncu_locked() {
+  with_packages timeout 200 ncu --kernel-name regex:prefill_kernel \
+    --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+    --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_active.avg,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_elapsed \
+    python3 benchmarks/attention_switch_probe.py --env-sets "$2" \
+    --seqlen 131072 --modes mean --rounds 1 --calls 1 --label "ncu-$1" > "$RESULTS/ncu-locked-$1.txt" 2>&1
+  echo "ncu locked $1: rc=$?"
+  grep -E "gpu__time_duration|sm__cycles_elapsed.avg |sm__cycles_active|sector_hit_rate|dram__bytes_read|pipe_tensor_cycles|pipe_shared_cycles|issue_active|Grid Size|Issue Slots Busy|No Eligible|Active Warps Per Scheduler" \
+    "$RESULTS/ncu-locked-$1.txt" | cut -c1-120
+}
+
 if [ "$PART" = profile ]; then
   for setting in 0 dynamic; do
-    FPV2_HOPPER_PERSISTENT="$setting" with_packages timeout 200 ncu --kernel-name regex:prefill_kernel \
-      --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
-      --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_active.avg,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_elapsed \
-      python3 benchmarks/attention_switch_probe.py --switch FPV2_HOPPER_PERSISTENT --settings "$setting" \
-      --seqlen 131072 --modes mean --rounds 1 --calls 1 --label "ncu-$setting" > "$RESULTS/ncu-locked-$setting.txt" 2>&1
-    echo "ncu locked $setting: rc=$?"
-    grep -E "gpu__time_duration|sm__cycles_elapsed.avg |sm__cycles_active|sector_hit_rate|dram__bytes_read|pipe_tensor_cycles|pipe_shared_cycles|issue_active|Grid Size|Issue Slots Busy|No Eligible|Active Warps Per Scheduler" \
-      "$RESULTS/ncu-locked-$setting.txt" | cut -c1-120
+    ncu_locked "$setting" "FPV2_HOPPER_PERSISTENT=$setting"
   done
   for setting in 0 dynamic 0 dynamic; do
-    FPV2_HOPPER_PERSISTENT="$setting" with_packages timeout 120 ncu --clock-control none \
+    with_packages timeout 120 ncu --clock-control none \
       --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 3 \
       --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_elapsed.avg.per_second \
-      python3 benchmarks/attention_switch_probe.py --switch FPV2_HOPPER_PERSISTENT --settings "$setting" \
+      python3 benchmarks/attention_switch_probe.py --env-sets "FPV2_HOPPER_PERSISTENT=$setting" \
       --seqlen 131072 --modes mean --rounds 1 --calls 3 --label "ncu-free-$setting" \
       >> "$RESULTS/ncu-free-$setting.txt" 2>&1
     echo "ncu free $setting: rc=$?"
   done
   grep -HE "gpu__time_duration|sm__cycles_elapsed.avg.per_second" "$RESULTS"/ncu-free-*.txt | sed 's#.*/##' | cut -c1-120
+fi
+
+if [ "$PART" = order-profile ]; then
+  ncu_locked queue "FPV2_HOPPER_PERSISTENT=dynamic"
+  ncu_locked queue-order "FPV2_HOPPER_PERSISTENT=dynamic:FPV2_HOPPER_WORK_ORDER=1"
+  ncu_locked one-per-tile "FPV2_HOPPER_PERSISTENT=0"
 fi
 
 if [ "$PART" = order ]; then
