@@ -94,15 +94,33 @@ device_run_start attention-schedule "${1:-probe}" "${BIN:-.carry/head}"
 RESULTS="$LOGS/results"  # inside the part's archive: the device returns files at most two folders down
 mkdir -p "$RESULTS"
 
-# The default against queue + order from attention_switch_probe.py --env-sets JSON lines: pair_table FILE
-pair_table() {
+# attention_switch_probe.py's JSON lines, each setting's median against the first setting's:
+# settings_table FILE
+settings_table() {
   python3 -c '
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    (a, ma), (b, mb) = r["median_ms"].items()
-    print(r["label"], r["mode"], f"default {ma:.3f}, queue + order {mb:.3f} ({100 * (mb / ma - 1):+.1f}%)",
-          "min", list(r["min_ms"].values()), "max diff", list(r[f"max_abs_difference_vs_{a}"].values()))' "$1"
+    first, base = next(iter(r["median_ms"].items()))
+    print(r["label"], r["mode"], {s: f"{m:.3f} ({100 * (m / base - 1):+.1f}%)" for s, m in r["median_ms"].items()},
+          "min", list(r["min_ms"].values()), "max diff", list(r[f"max_abs_difference_vs_{first}"].values()))' "$1"
+}
+
+# fpv2 bench --sparse-only rows at 128K (page 1, Hopper backend, mean correction), one process a row, A B B A,
+# then their table; each setting is a label and the environment assignments of its rows ("" for none):
+# ab_rows_128k LABEL_A ENV_A LABEL_B ENV_B
+ab_rows_128k() {
+  local run=0 pick label assignments
+  for pick in a b b a; do
+    run=$((run + 1))
+    if [ "$pick" = a ]; then label="$1" assignments="$2"; else label="$3" assignments="$4"; fi
+    (
+      # shellcheck disable=SC2086  # the assignments are words
+      [ -n "$assignments" ] && export $assignments
+      bench_row 1 131072 "bench-128k-$run-$label" 120 --page-size 1 --backend hopper --sparse-only
+    )
+  done
+  sparse_rows_table
 }
 
 if [ "$PART" = probe ]; then
@@ -113,23 +131,12 @@ if [ "$PART" = probe ]; then
       --label "B$batch" >> "$RESULTS/persistent-probe.jsonl" 2> "$LOGS/probe-b$batch.log"
     echo "probe B=$batch: rc=$?"
   done
-  python3 -c '
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    base = r["median_ms"]["0"]
-    print("B", r["batch"], r["mode"], {s: f"{m:.3f} ({100 * (m / base - 1):+.1f}%)" for s, m in r["median_ms"].items()},
-          "max diff", r["max_abs_difference_vs_0"])' "$RESULTS/persistent-probe.jsonl"
+  settings_table "$RESULTS/persistent-probe.jsonl"
 fi
 
 if [ "$PART" = rows ]; then
   setting="${SETTING:-dynamic}"
-  for value in 0 "$setting" "$setting" 0; do
-    run=$((${run:-0} + 1))
-    FPV2_HOPPER_PERSISTENT="$value" bench_row 1 131072 "bench-128k-$run-persistent-$value" 120 --page-size 1 \
-      --backend hopper --sparse-only
-  done
-  sparse_rows_table
+  ab_rows_128k persistent-0 FPV2_HOPPER_PERSISTENT=0 "persistent-$setting" "FPV2_HOPPER_PERSISTENT=$setting"
 fi
 
 # ncu of the 128K corrected attention launch under one --env-sets setting, at locked base clocks, into
@@ -178,15 +185,7 @@ if [ "$PART" = order ]; then
   probe no-order FPV2_HOPPER_PERSISTENT 0,dynamic
   FPV2_HOPPER_WORK_ORDER=1 probe order FPV2_HOPPER_PERSISTENT 0,dynamic
   FPV2_HOPPER_PERSISTENT=dynamic probe dynamic FPV2_HOPPER_WORK_ORDER 0,1
-  python3 -c '
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    s = list(r["median_ms"])
-    base = r["median_ms"][s[0]]
-    print(r["label"], r["switch"], r["mode"],
-          {k: f"{m:.3f} ({100 * (m / base - 1):+.1f}%)" for k, m in r["median_ms"].items()},
-          "min", r["min_ms"], "max diff", r[f"max_abs_difference_vs_{s[0]}"])' "$RESULTS/order-probe.jsonl"
+  settings_table "$RESULTS/order-probe.jsonl"
 fi
 
 if [ "$PART" = combined ]; then
@@ -199,32 +198,14 @@ if [ "$PART" = combined ]; then
       >> "$RESULTS/combined-probe.jsonl" 2> "$LOGS/combined-b$batch.log"
     echo "probe B=$batch: rc=$?"
   done
-  pair_table "$RESULTS/combined-probe.jsonl"
-  for value in default queued queued default; do
-    run=$((${run:-0} + 1))
-    if [ "$value" = queued ]; then
-      FPV2_HOPPER_PERSISTENT=dynamic FPV2_HOPPER_WORK_ORDER=1 bench_row 1 131072 "bench-128k-$run-$value" 120 \
-        --page-size 1 --backend hopper --sparse-only
-    else
-      bench_row 1 131072 "bench-128k-$run-$value" 120 --page-size 1 --backend hopper --sparse-only
-    fi
-  done
-  sparse_rows_table
+  settings_table "$RESULTS/combined-probe.jsonl"
+  ab_rows_128k default "" queued "FPV2_HOPPER_PERSISTENT=dynamic FPV2_HOPPER_WORK_ORDER=1"
 fi
 
 if [ "$PART" = land-default ]; then
   gpu_tests queue 240 packages/fpv2-kernel/tests/test_hopper_kernel.py -m hopper -k "tile_queue or work_order"
   gpu_tests kernel-suite 300 packages/fpv2-kernel/tests -m "gpu or hopper"
-  for value in default one-per-tile one-per-tile default; do
-    run=$((${run:-0} + 1))
-    if [ "$value" = default ]; then
-      bench_row 1 131072 "bench-128k-$run-$value" 120 --page-size 1 --backend hopper --sparse-only
-    else
-      FPV2_HOPPER_PERSISTENT=0 bench_row 1 131072 "bench-128k-$run-$value" 120 --page-size 1 --backend hopper \
-        --sparse-only
-    fi
-  done
-  sparse_rows_table
+  ab_rows_128k default "" one-per-tile FPV2_HOPPER_PERSISTENT=0
 fi
 
 if [ "$PART" = sizes ]; then
@@ -237,5 +218,5 @@ if [ "$PART" = sizes ]; then
       --label "L$seqlen-B$batch-P$prefix" >> "$RESULTS/sizes-probe.jsonl" 2> "$LOGS/sizes-$seqlen-$batch-$prefix.log"
     echo "probe L=$seqlen B=$batch prefix=$prefix: rc=$?"
   done
-  pair_table "$RESULTS/sizes-probe.jsonl"
+  settings_table "$RESULTS/sizes-probe.jsonl"
 fi
