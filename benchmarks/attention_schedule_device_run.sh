@@ -28,8 +28,32 @@
 #                                                      no patch needed): --env-sets default against queue + order
 #                                                      at 8K, 32K, 64K (B = 1), 4 x 32K, and a 16K chunk after a
 #                                                      112K cached prefix; mean correction (32K also off)
-#   benchmarks/attention_schedule_device_run.sh land-default  with experiments/default-tile-queue.patch applied to
-#                                                      the tree and BIN built from it: the queue / order GPU tests
+#   benchmarks/attention_schedule_device_run.sh threshold  the smallest calls the pair pays for and which half pays:
+#                                                      --env-sets one CTA per tile, the order alone, the queue
+#                                                      alone, both; chunks after cached prefixes (16K after 112K
+#                                                      off and mean, 8K after 120K and 56K, 4K after 124K), 16K and
+#                                                      8K without a prefix, 4 x 8K
+#   benchmarks/attention_schedule_device_run.sh prefixes  `threshold`'s four settings where the rule's edges are:
+#                                                      8K chunks after 8K and 24K, a 2K chunk after 126K, four 8K
+#                                                      chunks after 56K, a 32K chunk after 96K, 24K and 32K fresh
+#   benchmarks/attention_schedule_device_run.sh default-check  with BIN built from the tree (schedule_default.hpp): the
+#                                                      kernel package's GPU suite, then --env-sets the default
+#                                                      (both switches "") against the decoded order (both "0") on
+#                                                      the planted and the drifting workloads, and the list-schedule
+#                                                      model of the drifting calls (tile_schedule_model.py)
+#   benchmarks/attention_schedule_device_run.sh sanitize-default  compute-sanitizer memcheck and racecheck of the
+#                                                      default schedule's GPU tests of a chunk after a prefix (the
+#                                                      work order with one CTA per tile, sparse and corrected)
+#   benchmarks/attention_schedule_device_run.sh chunked  benchmarks/chunked_prefill.py (128K prompt in 8K chunks,
+#                                                      Hopper backend, no error column) with the default schedule
+#                                                      and with the decoded order (both switches 0), one process each
+#   benchmarks/attention_schedule_device_run.sh no-tail  --env-sets the default against the decoded order with
+#                                                      SelectionConfig.dense_tail_tiles=0 (no tile keeps its whole
+#                                                      span: a chunk-aware pipeline's middle chunks)
+#   benchmarks/attention_schedule_device_run.sh chunk-profile  the locked-clock ncu of `order-profile` for the 16K
+#                                                      chunk after a 112K prefix: one CTA per tile and the pair
+#   benchmarks/attention_schedule_device_run.sh land-default  with BIN built from the tree (ran with the 32nd
+#                                                      session's default-tile-queue.patch): the queue / order GPU tests
 #                                                      (the patch's two new ones among them), the kernel package's
 #                                                      GPU suite, then --sparse-only rows at 128K, the new default
 #                                                      against FPV2_HOPPER_PERSISTENT=0, A B B A
@@ -86,6 +110,67 @@
 # -1 to -4%, 8K (2,048 tiles, ~15 waves) -2 to +2%; the chunk after a prefix (4,096 heavy tiles, uneven work) -2
 # to -6%. If 32K and the chunk gain >= 2%, the default's threshold should come down to them.
 #
+# Measured (`sizes`, 33rd session, an H100, library of default-tile-queue.patch): 8K +1.4%, 32K -10.0% off and
+# -7.5% mean, 64K -4.3%, 4 x 32K -0.8%, the 16K chunk after a 112K prefix -36.5% (3.168 -> 2.010 ms); outputs
+# equal. 32K and the chunk gain >= 2%, so the threshold comes down; `threshold` finds where.
+#
+# Predictions for `threshold` (33rd session, before it ran): the chunk's -36% replicates within 5 points, and
+# correction off the same within 5 points (so it is not the correction's table). One CTA per tile gives every tile
+# of a chunk the same ~1,000-block row span and the tiles of one KV head run together; most of the gain is the
+# queue's (the order alone -0 to -10%). 8K and 4K chunks after long prefixes -15 to -35% (2,048 and 1,024 tiles,
+# still many waves of heavy tiles), the 8K chunk after 56K about half that. 16K without a prefix (4,096 tiles)
+# -2 to -6%, 8K -2 to +2% again, 4 x 8K -0 to -4%. If so the rule wants the work of a call, not its tiles: the
+# query tiles times the mean key span, known on the host from the batch's lengths.
+#
+# Predictions for `chunk-profile`: one CTA per tile's SM-active share of the elapsed cycles is below 85% (idle
+# SMs: the grid's last waves or a serialising resource), or its L2 hit rate is >= 10 points lower at the same
+# active share (the tiles resident together read different keys).
+#
+# Measured (`threshold`, 33rd session, an H100): the chunks' gain is the order's, not the queue's. One CTA per tile
+# in the work order: 16K after 112K -38.8% off / -34.2% mean, 8K after 120K -33.3%, 8K after 56K -35.7%, 4K after
+# 124K -18.6%; the queue alone +5.7 to +24.2%; the pair -6.2 to -35.1%. Fresh calls of 4,096 tiles or fewer: every
+# setting +0.9 to +9.5% (16K, 8K, 4 x 8K). `chunk-profile` (16K after 112K, locked clocks): one CTA per tile keeps
+# the SMs active 60.6% of the elapsed cycles (3.34 M of 5.51 M), the pair 98.1% (3.31 M of 3.37 M), at the same
+# active cycles and L2 hit rate (87.6 / 85.9%): the decoded order leaves SMs idle, the work is the same. A tail of
+# a few heavy tiles started late fits that (a tile keeping most of a 112K prefix is ~1 ms, a third of the call).
+#
+# Predictions for `prefixes` (33rd session, before it ran): the order alone wins wherever the call has a cached
+# prefix and many waves: 8K after 24K -10 to -30%, after 8K -0 to -20% (a heavy tile is shorter against the
+# call), 4 x (8K after 56K) -10 to -30% (the auto rule's case), 32K after 96K -10 to -25%, the 2K chunk (512 tiles,
+# ~4 waves) -0 to -20%. Fresh 24K and 32K: the pair -3 to -8%, the order alone within 2 points of the pair.
+#
+# Measured (`prefixes`, an H100): the order alone 8K after 8K / 24K -20.5 / -31.9%, 2K after 126K -10.2%, 4 x (8K
+# after 56K) -15.7%, 32K after 96K -20.0%, fresh 24K / 32K -3.7 / -6.2%; the pair -20.1, -32.1, +3.6, -17.7, -21.6,
+# -3.6, -7.8%; the queue alone +2.1 to +10.8%. tile_schedule_model.py (index of the same workloads): every planted
+# call keeps all visible blocks of some tile (kept_max = the causal span), and the work order's makespan over the
+# decoded order's ranks the calls as the probes do (0.58-0.92 for the chunks, 0.87-0.98 for fresh calls), with the
+# fresh calls' gains overstated by the order's cost (~2%). schedule_default.hpp turns that into the default.
+#
+# Predictions for `default-check` (33rd session, before it ran): every test passes. Planted: the default matches
+# the best setting measured for each shape, 16K after 112K about -34%, 2K after 126K -10%, 4 x (8K after 56K) -16%,
+# 32K -8%, 128K -5.5%, fresh 8K within 1% (the same schedule). Drifting background: if its index has no tile that
+# keeps its whole span, the chunks' gain falls to -5 to +5% (the 2026-12-02 kernel measured the order +3 to +9% on
+# a uniform random index); the model's heaviest-tile share says which.
+#
+# Measured (`default-check`, an H100): the kernel suite 357 passed, 2 skipped. The default against the decoded
+# order (both switches 0), planted: 16K after 112K -35.3%, 2K after 126K -10.7%, 4 x (8K after 56K) -16.7%, fresh
+# 8K 0.0%, 32K -8.7%, 128K -6.0%; drifting background (256): 16K after 112K -41.8%, 8K after 56K -32.9%, 32K
+# -12.9%. The drifting index also keeps whole spans (kept_max = the span); outputs equal.
+# Prediction for `sanitize-default`: memcheck 0 errors, racecheck 0 hazards, the tests pass under both.
+#
+# Measured (`sanitize-default`, an H100): memcheck 0 errors, racecheck 0 hazards, 2 passed under each.
+# Prediction for `chunked` (before it ran): the chunk-aware pipeline's attention over the sixteen 8K chunks of a
+# 128K prompt falls 20-30% under the default (most chunks have long prefixes: -20 to -36% above), its whole time
+# 15-25%; the unchunked row -5 to -6% (128K); the dense rows unchanged (dense mode keeps the decoded order).
+#
+# Measured (`chunked`, an H100, eager medians of 5): under the default the naive per-chunk pipeline (a dense tail
+# tile in every chunk) 27.31 -> 20.29 ms (attention 21.71 -> 14.68, -32%), but the chunk-aware pipeline (one dense
+# tail tile, in the last chunk) 21.69 -> 21.68 (attention 17.15 -> 16.81, -2%). So the heavy tiles of the probes
+# are the index's dense tail tiles (SelectionConfig.dense_tail_tiles, the last query tile of a request keeps its
+# whole span), not diffuse rows.
+# Prediction for `no-tail` (before it ran): without the dense tail the order has no heavy tile to place: chunks
+# after prefixes 0 to +4% (the order's kernels and lost L2 neighbours), fresh 32K and 128K -0 to -4% (the queue).
+#
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
@@ -140,14 +225,15 @@ if [ "$PART" = rows ]; then
 fi
 
 # ncu of the 128K corrected attention launch under one --env-sets setting, at locked base clocks, into
-# $RESULTS/ncu-locked-NAME.txt, its key lines printed: ncu_locked NAME SETTING
+# $RESULTS/ncu-locked-NAME.txt, its key lines printed; further probe options (another shape) win over these:
+# ncu_locked NAME SETTING [PROBE_OPTION...]
 ncu_locked() {
   with_packages timeout 200 ncu --kernel-name regex:prefill_kernel \
     --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
     --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_active.avg,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_elapsed \
     python3 benchmarks/attention_switch_probe.py --env-sets "$2" \
-    --seqlen 131072 --modes mean --rounds 1 --calls 1 --label "ncu-$1" > "$RESULTS/ncu-locked-$1.txt" 2>&1
+    --seqlen 131072 --modes mean --rounds 1 --calls 1 --label "ncu-$1" "${@:3}" > "$RESULTS/ncu-locked-$1.txt" 2>&1
   echo "ncu locked $1: rc=$?"
   grep -E "gpu__time_duration|sm__cycles_elapsed.avg |sm__cycles_active|sector_hit_rate|dram__bytes_read|pipe_tensor_cycles|pipe_shared_cycles|issue_active|Grid Size|Issue Slots Busy|No Eligible|Active Warps Per Scheduler" \
     "$RESULTS/ncu-locked-$1.txt" | cut -c1-120
@@ -173,6 +259,67 @@ if [ "$PART" = order-profile ]; then
   ncu_locked queue "FPV2_HOPPER_PERSISTENT=dynamic"
   ncu_locked queue-order "FPV2_HOPPER_PERSISTENT=dynamic:FPV2_HOPPER_WORK_ORDER=1"
   ncu_locked one-per-tile "FPV2_HOPPER_PERSISTENT=0"
+fi
+
+if [ "$PART" = default-check ]; then
+  gpu_tests kernel-suite 330 packages/fpv2-kernel/tests -m "gpu or hopper"
+  sets=("FPV2_HOPPER_PERSISTENT=:FPV2_HOPPER_WORK_ORDER=" "FPV2_HOPPER_PERSISTENT=0:FPV2_HOPPER_WORK_ORDER=0")
+  for shape in "16384 1 114688 -" "2048 1 129024 -" "8192 4 57344 -" "8192 1 0 -" "32768 1 0 -" "131072 1 0 -" \
+    "16384 1 114688 256" "8192 1 57344 256" "32768 1 0 256"; do
+    read -r seqlen batch prefix drift <<< "$shape"
+    extra=()
+    [ "$drift" != - ] && extra=(--drift-tokens "$drift")
+    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --env-sets "${sets[@]}" \
+      --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean --rounds 10 --calls 5 "${extra[@]}" \
+      --label "L$seqlen-B$batch-P$prefix-D$drift" >> "$RESULTS/default-check.jsonl" \
+      2> "$LOGS/default-check-$seqlen-$batch-$prefix-$drift.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix drift=$drift: rc=$?"
+  done
+  settings_table "$RESULTS/default-check.jsonl"
+  (cd benchmarks && with_packages timeout 120 python3 tile_schedule_model.py --drift-tokens 256 \
+    --shapes 16384:1:114688 8192:1:57344 32768:1:0 > "$RESULTS/tile-schedule-model-drifting.jsonl" \
+    2> "$LOGS/tile-schedule-model-drifting.log")
+  echo "model (drifting): rc=$?"
+  cut -c1-330 "$RESULTS/tile-schedule-model-drifting.jsonl"
+fi
+
+if [ "$PART" = sanitize-default ]; then
+  for tool in memcheck racecheck; do
+    with_packages timeout 240 compute-sanitizer --tool "$tool" python3 -m pytest -p no:cacheprovider -q \
+      packages/fpv2-kernel/tests/test_hopper_kernel.py -k chunks_after_a_prefix > "$RESULTS/sanitizer-$tool.txt" 2>&1
+    echo "compute-sanitizer $tool: rc=$? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" \
+      "$RESULTS/sanitizer-$tool.txt" | tr '\n' ' ')"
+  done
+fi
+
+if [ "$PART" = chunked ]; then
+  for setting in default decoded; do
+    (
+      [ "$setting" = decoded ] && export FPV2_HOPPER_PERSISTENT=0 FPV2_HOPPER_WORK_ORDER=0
+      with_packages timeout 200 python3 benchmarks/chunked_prefill.py --chunks 8192 --backend hopper --no-error \
+        --repeats 5 --warmup 2 --out "$RESULTS/chunked-$setting" > "$LOGS/chunked-$setting.log" 2>&1
+      echo "chunked prefill ($setting): rc=$?"
+    )
+    grep -E "^\|" "$LOGS/chunked-$setting.log" | cut -c1-200
+  done
+fi
+
+if [ "$PART" = no-tail ]; then
+  sets=("FPV2_HOPPER_PERSISTENT=:FPV2_HOPPER_WORK_ORDER=" "FPV2_HOPPER_PERSISTENT=0:FPV2_HOPPER_WORK_ORDER=0")
+  for shape in "16384 1 114688" "8192 1 57344" "8192 1 122880" "8192 4 57344" "32768 1 0" "131072 1 0"; do
+    read -r seqlen batch prefix <<< "$shape"
+    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --env-sets "${sets[@]}" \
+      --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean --rounds 10 --calls 5 \
+      --dense-tail-tiles 0 --label "L$seqlen-B$batch-P$prefix-T0" >> "$RESULTS/no-tail.jsonl" \
+      2> "$LOGS/no-tail-$seqlen-$batch-$prefix.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix: rc=$?"
+  done
+  settings_table "$RESULTS/no-tail.jsonl"
+fi
+
+if [ "$PART" = chunk-profile ]; then
+  ncu_locked chunk-one-per-tile "FPV2_HOPPER_PERSISTENT=0" --seqlen 16384 --prefix 114688
+  ncu_locked chunk-queue-order "FPV2_HOPPER_PERSISTENT=dynamic:FPV2_HOPPER_WORK_ORDER=1" --seqlen 16384 --prefix 114688
 fi
 
 if [ "$PART" = order ]; then
@@ -219,4 +366,23 @@ if [ "$PART" = sizes ]; then
     echo "probe L=$seqlen B=$batch prefix=$prefix: rc=$?"
   done
   settings_table "$RESULTS/sizes-probe.jsonl"
+fi
+
+if [ "$PART" = threshold ] || [ "$PART" = prefixes ]; then
+  shapes=("16384 1 114688 off,mean" "8192 1 122880 mean" "8192 1 57344 mean" "4096 1 126976 mean" "16384 1 0 mean"
+    "8192 1 0 mean" "8192 4 0 mean")
+  if [ "$PART" = prefixes ]; then
+    shapes=("8192 1 8192 mean" "8192 1 24576 mean" "2048 1 129024 mean" "8192 4 57344 mean" "32768 1 98304 mean"
+      "24576 1 0 mean" "32768 1 0 mean")
+  fi
+  sets=("FPV2_HOPPER_PERSISTENT=0" "FPV2_HOPPER_PERSISTENT=0:FPV2_HOPPER_WORK_ORDER=1" "FPV2_HOPPER_PERSISTENT=dynamic"
+    "FPV2_HOPPER_PERSISTENT=dynamic:FPV2_HOPPER_WORK_ORDER=1")
+  for shape in "${shapes[@]}"; do
+    read -r seqlen batch prefix modes <<< "$shape"
+    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --env-sets "${sets[@]}" \
+      --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes "$modes" --rounds 10 --calls 5 \
+      --label "L$seqlen-B$batch-P$prefix" >> "$RESULTS/$PART-probe.jsonl" 2> "$LOGS/$PART-$seqlen-$batch-$prefix.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix: rc=$?"
+  done
+  settings_table "$RESULTS/$PART-probe.jsonl"
 fi

@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each request's queries")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument(
+        "--dense-tail-tiles", type=int, default=None, help="SelectionConfig.dense_tail_tiles (default: its default)"
+    )
     parser.add_argument("--drift-tokens", type=float, default=None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=5, help="launches per timed sample")
@@ -114,7 +117,8 @@ def main() -> None:
     seqlens_q, seqlens_k = [args.seqlen] * args.batch, [args.prefix + args.seqlen] * args.batch
     wl = planted_workload(seqlens_q, seqlens_k, **shape, dtype=torch.bfloat16, device=torch.device("cuda"),
                           drift_tokens=args.drift_tokens)  # fmt: skip
-    config = SelectionConfig(alpha=args.alpha)
+    tail = {} if args.dense_tail_tiles is None else {"dense_tail_tiles": args.dense_tail_tiles}
+    config = SelectionConfig(alpha=args.alpha, **tail)
     wanted = args.modes.split(",")
     for label, correction, shift in MODES:
         if label not in wanted:
@@ -137,6 +141,7 @@ def main() -> None:
             "label": args.label, "switch": args.switch or "+".join(names), "mode": label, "seqlen": args.seqlen,
             "batch": args.batch, "prefix": args.prefix,
             "page_size": args.page_size, "drift_tokens": args.drift_tokens, "alpha": args.alpha,
+            "dense_tail_tiles": config.dense_tail_tiles,
             "rounds": args.rounds, "calls": args.calls,
             "median_ms": {s: round(statistics.median(t), 4) for s, t in times.items()},
             "min_ms": {s: round(min(t), 4) for s, t in times.items()},

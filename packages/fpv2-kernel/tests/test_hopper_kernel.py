@@ -354,6 +354,112 @@ def test_dynamic_tile_queue_needs_its_workspace_and_the_overlapped_consumers(pag
         native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch)
 
 
+#: One request of 96K at 8 / 2 heads: 768 tiles x 4 (the group) x 2 KV heads = 6144 CTAs, where the default tile
+#: queue starts (csrc/hopper/schedule_default.hpp; native.DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES).
+LONG_SEQLENS = [98304]
+#: A 4K chunk after a 4K cached prefix at 8 / 2 heads: 256 CTAs, more than the SMs of any Hopper part.
+CHUNK_SEQLENS_Q, CHUNK_SEQLENS_K = [4096], [8192]
+
+
+def _default_schedule_case(paged_case, seqlens_q, seqlens_k, head_dim=128, page_size=128, seed=3):
+    return paged_case(seqlens_q, seqlens_k, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                      dtype=torch.bfloat16, device="cuda", seed=seed)  # fmt: skip
+
+
+def _same_as_the_decoded_order(case, index, plan, monkeypatch, decoded_env: dict[str, str]) -> None:
+    """The call under the default schedule (both switches unset) against ``decoded_env``'s, bit for bit: the same
+    blocks in the same order in every tile (the reference tests above cover the decoded order); a tile left out
+    would keep its NaN poison."""
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        lse = torch.full(case.q.shape[:2], float("nan"), device="cuda")
+        out = native.hopper_prefill(case.q, case.k_cache, case.v_cache, _poisoned(case), case.batch, index=index,
+                                    plan=plan, lse=lse)  # fmt: skip
+        return out, lse
+
+    by_default, by_default_lse = run()
+    for name, value in decoded_env.items():
+        monkeypatch.setenv(name, value)
+    assert _workspace_bytes(case, index, plan) == 0
+    decoded, decoded_lse = run()
+    assert torch.isfinite(by_default).all() and torch.isfinite(by_default_lse).all(), "a tile left out (NaN poison)"
+    assert torch.equal(by_default, decoded) and torch.equal(by_default_lse, decoded_lse)
+
+
+def _unset_schedule_switches(monkeypatch) -> None:
+    monkeypatch.delenv("FPV2_HOPPER_PERSISTENT", raising=False)
+    monkeypatch.delenv("FPV2_HOPPER_WORK_ORDER", raising=False)
+
+
+def _bytes_under(case, index, plan, monkeypatch, env: dict[str, str]) -> int:
+    """What the call asks for under ``env``'s switches (then unset again)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    needed = _workspace_bytes(case, index, plan)
+    _unset_schedule_switches(monkeypatch)
+    return needed
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("mode", ["sparse", "corrected"])
+def test_long_block_sparse_requests_run_the_tile_queue_by_default(paged_case, hand_index, monkeypatch, mode):
+    # Both switches unset: a request of 6144 CTAs or more (block-sparse, d = 128, TMA pages) runs persistent CTAs
+    # fed by the tile queue in the work order: it asks for what the explicit settings ask for.
+    _require_kernel()
+    if 128 not in BUILT_HEAD_DIMS:
+        pytest.skip("the default schedule serves d = 128")
+    assert LONG_SEQLENS[0] * 4 // 128 * 2 == native.DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES
+    case = _default_schedule_case(paged_case, LONG_SEQLENS, LONG_SEQLENS, seed=17 + len(mode))
+    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(23, 0.05))
+    _unset_schedule_switches(monkeypatch)
+    queued = {"FPV2_HOPPER_PERSISTENT": "dynamic", "FPV2_HOPPER_WORK_ORDER": "1"}
+    by_default = _workspace_bytes(case, index, plan)
+    assert by_default == _bytes_under(case, index, plan, monkeypatch, queued) > 256, "not the queue in the order"
+    _same_as_the_decoded_order(case, index, plan, monkeypatch, {"FPV2_HOPPER_PERSISTENT": "0"})
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("mode", ["sparse", "corrected"])
+def test_chunks_after_a_prefix_run_the_work_order_by_default(paged_case, hand_index, monkeypatch, mode):
+    # Both switches unset: a chunk after a cached prefix with more CTAs than SMs runs one CTA per tile in the
+    # kept-block work order (its permutation in the workspace, no tile queue).
+    _require_kernel()
+    if 128 not in BUILT_HEAD_DIMS:
+        pytest.skip("the default schedule serves d = 128")
+    case = _default_schedule_case(paged_case, CHUNK_SEQLENS_Q, CHUNK_SEQLENS_K, seed=29 + len(mode))
+    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(31, 0.1))
+    _unset_schedule_switches(monkeypatch)
+    by_default = _workspace_bytes(case, index, plan)
+    ordered = _bytes_under(case, index, plan, monkeypatch, {"FPV2_HOPPER_WORK_ORDER": "1"})
+    queued = _bytes_under(case, index, plan, monkeypatch,
+                          {"FPV2_HOPPER_PERSISTENT": "dynamic", "FPV2_HOPPER_WORK_ORDER": "1"})  # fmt: skip
+    assert by_default == ordered > 0 and queued > ordered, "not the work order alone"
+    _same_as_the_decoded_order(case, index, plan, monkeypatch, {"FPV2_HOPPER_WORK_ORDER": "0"})
+
+
+@pytest.mark.hopper
+def test_the_default_schedule_leaves_other_calls_to_the_decoded_order(paged_case, hand_index, monkeypatch):
+    # The chunk above under what the rule does not cover asks for no workspace: dense mode, other head dims,
+    # pages the TMA cannot read (the gather), either switch set; and a fresh 16K request (4096 CTAs).
+    _require_kernel()
+    _unset_schedule_switches(monkeypatch)
+    for head_dim in BUILT_HEAD_DIMS:
+        case = _default_schedule_case(paged_case, CHUNK_SEQLENS_Q, CHUNK_SEQLENS_K, head_dim=head_dim)
+        index, _ = _index_and_plan(case, hand_index, "sparse", _keep_some(5, 0.1))
+        assert _workspace_bytes(case) == 0, f"dense mode, d = {head_dim}"
+        assert (_workspace_bytes(case, index) > 0) == (head_dim == 128), f"block-sparse, d = {head_dim}"
+        if head_dim == 128:
+            for env in ({"FPV2_HOPPER_WORK_ORDER": "0"}, {"FPV2_HOPPER_WORK_ORDER": "auto"},
+                        {"FPV2_HOPPER_PERSISTENT": "0"}):  # fmt: skip
+                assert _bytes_under(case, index, None, monkeypatch, env) == 0, env
+    gathered = _default_schedule_case(paged_case, CHUNK_SEQLENS_Q, CHUNK_SEQLENS_K, page_size=16)
+    gathered_index, _ = _index_and_plan(gathered, hand_index, "sparse", _keep_some(5, 0.1))
+    assert _workspace_bytes(gathered, gathered_index) == 0, "the gather path keeps the decoded order"
+    fresh = _default_schedule_case(paged_case, [16384], [16384])
+    fresh_index, _ = _index_and_plan(fresh, hand_index, "sparse", _keep_some(5, 0.1))
+    assert _workspace_bytes(fresh, fresh_index) == 0, "a fresh 16K request keeps the decoded order"
+
+
 @pytest.mark.hopper
 @pytest.mark.parametrize("head_dim", UNBUILT_HEAD_DIMS)
 def test_head_dims_it_was_not_built_for_are_refused(paged_case, head_dim):

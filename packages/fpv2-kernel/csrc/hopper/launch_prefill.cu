@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <limits>
 
@@ -14,6 +15,7 @@
 #include "abi/errors.hpp"
 #include "hopper/prefill_instances.hpp"
 #include "hopper/prefill_plan.hpp"
+#include "hopper/schedule_default.hpp"
 #include "hopper/split_kv.hpp"
 #include "hopper/tile_queue.hpp"
 #include "hopper/work_order.hpp"
@@ -176,8 +178,9 @@ int32_t switch_from_environment(const char* name, int32_t default_on, int32_t* o
               format("environment %s=%s: expected 0 or 1 (unset: %d)", name, value, default_on));
 }
 
-// FPV2_HOPPER_PERSISTENT: unset, "" or "0" one CTA per tile (default), "1" persistent CTAs in the static
-// snake order (persistent_order.hpp), "dynamic" persistent CTAs fed by the tile queue (tile_queue.hpp).
+// FPV2_HOPPER_PERSISTENT: "0" one CTA per tile, "1" persistent CTAs in the static snake order
+// (persistent_order.hpp), "dynamic" persistent CTAs fed by the tile queue (tile_queue.hpp); unset or "" is 0
+// until choose_default_schedule applies schedule_default.hpp's rule.
 int32_t persistent_from_environment(int32_t* persistent) {
   const char* value = std::getenv("FPV2_HOPPER_PERSISTENT");
   const std::string setting = value != nullptr ? value : "";
@@ -189,7 +192,9 @@ int32_t persistent_from_environment(int32_t* persistent) {
     *persistent = 2;
   } else {
     return fail(FPV2_ERROR_INVALID_ARGUMENT,
-                format("environment FPV2_HOPPER_PERSISTENT=%s: expected 0, 1 or dynamic (unset: 0)", value));
+                format("environment FPV2_HOPPER_PERSISTENT=%s: expected 0, 1 or dynamic (unset: the tile queue for "
+                       "long block-sparse requests, else one CTA per tile)",
+                       value));
   }
   return FPV2_OK;
 }
@@ -302,9 +307,9 @@ int32_t check_tile_queue_workspace(const PrefillPlan& plan) {
 }
 
 // Sets plan.work_order (work_order.hpp) for a call that does not split, after choose_kv_splits.
-// FPV2_HOPPER_WORK_ORDER: unset, "" or "0" off (the default: measured 3-11% slower on uneven batches,
-// 2026-12-02, NOTES.md),
-// "1" forces it, "auto" applies the automatic rule: on for more tiles than SMs in a batch whose requests
+// FPV2_HOPPER_WORK_ORDER: "0" off; unset or "" off here, then choose_default_schedule may switch it on
+// (schedule_default.hpp: chunks after cached prefixes, long requests; the 2026-12-02 kernel measured it 3-11%
+// slower on uneven fresh batches, NOTES.md); "1" forces it, "auto" applies the automatic rule: on for more tiles than SMs in a batch whose requests
 // may differ in work (several requests whose query lengths differ or that have cached prefixes: the
 // decoded order then puts a heavy request's tiles wherever the request sits in the batch); off at B = 1 and
 // for equal fresh requests, where the decoded order already starts each request's longest tiles first.
@@ -316,7 +321,9 @@ int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
   const std::string setting = value != nullptr ? value : "";
   if (setting != "" && setting != "0" && setting != "1" && setting != "auto") {
     return fail(FPV2_ERROR_INVALID_ARGUMENT,
-                format("environment FPV2_HOPPER_WORK_ORDER=%s: expected 0, 1 or auto (unset: 0)", value));
+                format("environment FPV2_HOPPER_WORK_ORDER=%s: expected 0, 1 or auto (unset: the default "
+                       "schedule, schedule_default.hpp)",
+                       value));
   }
   const bool forced = setting == "1";
   if (plan.num_splits > 1 || (!forced && setting != "auto")) return FPV2_OK;
@@ -347,6 +354,30 @@ int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
     return check_workspace_alignment(plan, "the work order");
   }
   plan.work_order = 1;
+  return FPV2_OK;
+}
+
+// FPV2_HOPPER_PERSISTENT and FPV2_HOPPER_WORK_ORDER both unset (or ""): schedule_default.hpp's choice, when the
+// workspace holds what it needs (`sizing`: as if it did), else the decoded order (the same result). Runs after
+// choose_kv_splits and choose_work_order; a call that splits keeps its split.
+int32_t choose_default_schedule(PrefillPlan& plan, int device, bool sizing = false) {
+  for (const char* name : {"FPV2_HOPPER_PERSISTENT", "FPV2_HOPPER_WORK_ORDER"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') return FPV2_OK;
+  }
+  if (plan.num_splits > 1) return FPV2_OK;
+  int sms = 0;
+  FPV2_RETURN_IF_ERROR(sm_count(device, &sms));
+  const int64_t num_tiles = plan_query_tiles(plan);
+  const DefaultSchedule schedule = default_schedule(plan, num_tiles / plan.num_requests, num_tiles, sms);
+  if (schedule == DefaultSchedule::kDecodedOrder) return FPV2_OK;
+  const bool queue = schedule == DefaultSchedule::kTileQueueInWorkOrder;
+  const uint64_t need = (queue ? tile_queue_workspace_bytes() : 0) + work_order_workspace_bytes(num_tiles);
+  const bool fits = plan.workspace != nullptr && plan.workspace_bytes >= need &&
+                    reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment == 0;
+  if (!sizing && !fits) return FPV2_OK;
+  plan.work_order = 1;
+  if (queue) plan.persistent = 2;
   return FPV2_OK;
 }
 
@@ -536,6 +567,7 @@ int32_t prefill_workspace_size(const fpv2_prefill_args_t& args, uint64_t* bytes)
   FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
   FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device(), /*sizing=*/true));
   FPV2_RETURN_IF_ERROR(choose_work_order(plan, guard.device(), /*sizing=*/true));
+  FPV2_RETURN_IF_ERROR(choose_default_schedule(plan, guard.device(), /*sizing=*/true));
   *bytes = split_workspace_bytes(plan.total_q, int64_t(plan.num_kv_heads) * plan.group, plan.head_dim,
                                  plan.num_splits);
   if (plan.work_order) {
@@ -551,6 +583,7 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
   FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device()));
   FPV2_RETURN_IF_ERROR(choose_work_order(plan, guard.device()));
+  FPV2_RETURN_IF_ERROR(choose_default_schedule(plan, guard.device()));
   FPV2_RETURN_IF_ERROR(check_tile_queue_workspace(plan));
   // One case per entry of kPrefillHeadDims (prefill_instances.hpp).
   switch (plan.head_dim) {

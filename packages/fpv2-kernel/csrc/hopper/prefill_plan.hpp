@@ -89,8 +89,9 @@ struct PrefillPlan {
   const float* key_radius;    // (total_blocks, Hkv)
 
   int32_t pingpong;    // FPV2_HOPPER_PINGPONG: 0 (default) or 1 (measured, not faster)
-  // FPV2_HOPPER_PERSISTENT: 0 (default), 1 = persistent CTAs in the static snake order, 2 ("dynamic") = the
-  // tile queue of tile_queue.hpp (needs its counter in the workspace); both measured: NOTES.md.
+  // FPV2_HOPPER_PERSISTENT: 0, 1 = persistent CTAs in the static snake order, 2 ("dynamic") = the tile queue of
+  // tile_queue.hpp (needs its counter in the workspace); both measured: NOTES.md. Unset: 0, or 2 with the work
+  // order for the calls of schedule_default.hpp (launch_prefill.cu, choose_default_schedule).
   int32_t persistent;
   int32_t overlap;     // FPV2_HOPPER_OVERLAP: 1 (default) or 0; PV of tile n-1 in flight during softmax n
   int32_t request_major;  // FPV2_HOPPER_REQUEST_MAJOR: 1 (default) or 0; the order when head_major is 0

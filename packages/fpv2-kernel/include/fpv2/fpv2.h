@@ -285,11 +285,15 @@ FPV2_API int32_t fpv2_hopper_kernel_available(void);
  * long cached prefix, small batches), the kernel splits each tile's KV blocks over several CTAs and
  * merges their partial rows; it does so only when args->workspace holds at least the bytes that
  * fpv2_prefill_workspace_size reports (else it runs one CTA per tile: the same result). With the
- * opt-in work order (environment FPV2_HOPPER_WORK_ORDER) calls that do not split use it for the tiles
- * sorted by kept-block work, heaviest first; with the opt-in dynamic tile queue of the persistent CTAs
+ * work order (environment FPV2_HOPPER_WORK_ORDER, or the default below) calls that do not split use it for the tiles
+ * sorted by kept-block work, heaviest first; with the dynamic tile queue of the persistent CTAs
  * (FPV2_HOPPER_PERSISTENT=dynamic) its first 256 bytes hold the queue's counter, and a call without
- * them is refused (FPV2_ERROR_WORKSPACE_TOO_SMALL). The workspace must be 256-byte aligned and may be
- * reused once the call's stream is past it. */
+ * them is refused (FPV2_ERROR_WORKSPACE_TOO_SMALL). With FPV2_HOPPER_PERSISTENT and
+ * FPV2_HOPPER_WORK_ORDER both unset, block-sparse calls at d = 128 on TMA pages (bf16 mean correction
+ * or none) run the work order when they are chunks after a cached prefix with more tiles than SMs, and
+ * the tile queue in the work order when a request has at least 6144 query tiles over its KV heads, if
+ * the workspace holds what that needs, else one CTA per tile in the decoded order (the same result).
+ * The workspace must be 256-byte aligned and may be reused once the call's stream is past it. */
 FPV2_API int32_t fpv2_prefill(const fpv2_prefill_args_t* args);
 
 /* ABI 1.3: the workspace bytes fpv2_prefill would use for args (0 when it would neither split, order

@@ -20,7 +20,8 @@
 //   5. BlockSchedule over random CSR segments: with 64-token tiles (two per index block, d = 256) it visits
 //      exactly the visible tiles of the kept blocks, each once, in descending order, and every kept block at
 //      least once; with 128-token tiles, the kept blocks themselves; split-KV's parts cover that schedule
-//      and its pooled tiles exactly once, in order, balanced to one stage.
+//      and its pooled tiles exactly once, in order, balanced to one stage;
+//   6. the default schedule (schedule_default.hpp) on the calls it was measured on and the ones it leaves out.
 // Checks 1-3 run for the traits of every built head dim (kPrefillHeadDims), which also prints the shared
 // memory each instantiation asks for. Prints the layouts it used and exits 1 if any check failed.
 #include <algorithm>
@@ -41,6 +42,7 @@
 #include "hopper/shared_copy.hpp"
 #include "hopper/shared_storage.hpp"
 #include "hopper/persistent_order.hpp"
+#include "hopper/schedule_default.hpp"
 #include "hopper/block_schedule.hpp"
 #include "hopper/split_kv.hpp"
 #include "hopper/tile_geometry.hpp"
@@ -613,6 +615,67 @@ int check_built_head_dim(int head_dim) {
 
 }  // namespace
 
+// The default schedule's rule (schedule_default.hpp) on the calls it was measured on, at 32 / 8 heads on a
+// 132-SM device: fresh requests of at least 24K run the tile queue in the work order, chunks after a cached
+// prefix the work order alone once they fill the SMs, the rest (and every configuration not measured) the
+// decoded order.
+void check_default_schedule() {
+  using namespace fpv2::hopper;
+  static const int32_t some_index[1] = {0};
+  const int sms = 132;
+  auto plan_of = [](int32_t seqlen_q, int32_t seqlen_k) {
+    PrefillPlan plan{};
+    plan.head_dim = 128;
+    plan.page_size = 128;
+    plan.overlap = 1;
+    plan.index_offsets = some_index;
+    plan.max_seqlen_q = seqlen_q;
+    plan.max_seqlen_k = seqlen_k;
+    return plan;
+  };
+  // Tiles of one request at 32 query / 8 KV heads: 128 packed rows of 4 heads a tile.
+  auto schedule_of = [&](PrefillPlan const& plan, int batch) {
+    const int64_t request_tiles = (int64_t(plan.max_seqlen_q) * 4 + 127) / 128 * 8;
+    return int(default_schedule(plan, request_tiles, request_tiles * batch, sms));
+  };
+  const int decoded = int(DefaultSchedule::kDecodedOrder), ordered = int(DefaultSchedule::kWorkOrder);
+  const int queued = int(DefaultSchedule::kTileQueueInWorkOrder);
+  for (int32_t seqlen : {24576, 32768, 131072}) {
+    expect(schedule_of(plan_of(seqlen, seqlen), 1) == queued, "fresh >= 24K: the queue in the work order", seqlen);
+    expect(schedule_of(plan_of(seqlen, seqlen), 4) == queued, "4 fresh requests >= 24K: the queue", seqlen);
+  }
+  expect(schedule_of(plan_of(24576 - 32, 24576 - 32), 1) == decoded, "one tile per KV head short of 6144");
+  for (int32_t seqlen : {8192, 16384}) {
+    expect(schedule_of(plan_of(seqlen, seqlen), 1) == decoded, "fresh 8K and 16K: decoded", seqlen);
+    expect(schedule_of(plan_of(seqlen, seqlen), 4) == decoded, "4 fresh 8K and 16K: decoded", seqlen);
+  }
+  for (int32_t chunk : {2048, 4096, 8192, 16384}) {
+    expect(schedule_of(plan_of(chunk, 131072), 1) == ordered, "a chunk after a prefix: the work order", chunk);
+    expect(schedule_of(plan_of(chunk, 2 * chunk), 4) == ordered, "4 chunks after prefixes: the work order", chunk);
+  }
+  expect(schedule_of(plan_of(32768, 131072), 1) == queued, "a 32K chunk after a prefix: the queue");
+  expect(schedule_of(plan_of(512, 131072), 1) == decoded, "128 tiles, one wave: decoded");
+  expect(schedule_of(plan_of(1024, 131072), 1) == ordered, "256 tiles: the work order");
+  // Configurations the measurements leave out keep the decoded order, however long the call.
+  static const float some_variance[1] = {0.f};
+  for (int variant = 0; variant < 7; ++variant) {
+    for (int32_t seqlen_k : {131072, 262144}) {
+      PrefillPlan plan = plan_of(131072, seqlen_k);
+      if (variant == 0) plan.head_dim = 64;
+      if (variant == 1) plan.head_dim = 256;
+      if (variant == 2) plan.index_offsets = nullptr;  // dense mode
+      if (variant == 3) plan.page_size = 16;            // the cp.async gather
+      if (variant == 4) plan.pingpong = 1;
+      if (variant == 5) plan.overlap = 0;
+      if (variant == 6) plan.key_variance = some_variance;  // the second-order shift
+      expect(schedule_of(plan, 1) == decoded, "not measured: decoded (variant, seqlen_k)", variant, seqlen_k);
+    }
+  }
+  PrefillPlan e4m3 = plan_of(131072, 131072);
+  e4m3.pooled_k_e4m3 = some_index;
+  expect(schedule_of(e4m3, 1) == decoded, "FP8 pooled products: decoded");
+}
+
 int main() {
   std::printf("fpv2 Hopper prefill: host layout and geometry checks (built head dims: %s)\n",
               fpv2::hopper::prefill_head_dims_text().c_str());
@@ -630,7 +693,8 @@ int main() {
                         {"block schedule, 64-token tiles", check_schedule<HalfBlockTiles>},
                         {"persistent tile order", check_persistent_order},
                         {"split-KV count and workspace", check_split_kv_rules},
-                        {"work order buckets and workspace", check_work_order_rules}});
+                        {"work order buckets and workspace", check_work_order_rules},
+                        {"default schedule", check_default_schedule}});
   failed += run_checks("--- index scoring kernel",
                        {{"key and query copy offsets, d=64", check_score_copies<64>},
                         {"key and query copy offsets, d=128", check_score_copies<128>}});

@@ -6,7 +6,14 @@ needed by the reference or portable backends, and importing this module never
 loads the library: loading happens on first use.
 """
 
-from .api import check_status, hopper_available, hopper_head_dims, hopper_prefill, validate_prefill_native
+from .api import (
+    DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES,
+    check_status,
+    hopper_available,
+    hopper_head_dims,
+    hopper_prefill,
+    validate_prefill_native,
+)
 from .codes import CORRECTION_CHUNK, KERNEL_TILE_SIZE, MAX_NDIM, PREFILL_CAUSAL, DType, Status
 from .errors import HopperKernelNotBuiltError, NativeError, NativeLibraryError, UnsupportedConfigurationError
 from .library import (
@@ -37,6 +44,7 @@ __all__ = [
     "ABI_VERSION_MAJOR",
     "ABI_VERSION_MINOR",
     "CORRECTION_CHUNK",
+    "DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES",
     "KERNEL_TILE_SIZE",
     "LIBRARY_ENV",
     "MAX_NDIM",

@@ -23,6 +23,11 @@ POOLED_E4M3_ENV = "FPV2_HOPPER_POOLED_E4M3"
 #: KV tokens per tile of the Hopper kernel, the key block of the contracts: it loads pages that are
 #: multiples of it with TMA (other pages by a cp.async gather); only the TMA path serves the E4M3 copies.
 HOPPER_KV_TILE = BLOCK_SIZE
+#: Query tiles of the longest request (over its KV heads) from which the library runs a block-sparse call on the
+#: persistent CTAs' tile queue in the kept-block work order when neither ``FPV2_HOPPER_PERSISTENT`` nor
+#: ``FPV2_HOPPER_WORK_ORDER`` is set (csrc/hopper/schedule_default.hpp, kDefaultTileQueueMinRequestTiles): 24K
+#: tokens at 32 query / 8 KV heads. Shorter chunks after a cached prefix run the work order alone.
+DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES = 6144
 
 #: Exception class per status code; codes not listed raise :class:`NativeError`.
 _EXCEPTIONS: dict[int, type[Exception]] = {
@@ -254,7 +259,9 @@ def _may_use_workspace(q: torch.Tensor, k_cache: torch.Tensor, args: object) -> 
     (csrc/hopper/split_kv.hpp: automatically only with fewer CTAs than SMs, or when
     ``FPV2_HOPPER_SPLITS`` forces splits), or to order its tiles by work (csrc/hopper/work_order.hpp,
     opt-in: ``FPV2_HOPPER_WORK_ORDER=1`` forces it, ``auto`` for more CTAs than SMs in a batch of
-    uneven requests), or for the persistent CTAs' tile counter (``FPV2_HOPPER_PERSISTENT=dynamic``).
+    uneven requests), or for the persistent CTAs' tile counter (``FPV2_HOPPER_PERSISTENT=dynamic``), or for
+    the default schedule of a block-sparse call (csrc/hopper/schedule_default.hpp: the work order for a chunk
+    after a cached prefix, with the tile queue for long requests).
 
     Saves the workspace query's host time on every other call; the library decides the rest.
     """
@@ -296,13 +303,17 @@ def workspace_may_be_used(
         num_kv_heads: ``Hkv``.
         sms: the device's SM count.
         splits: the ``FPV2_HOPPER_SPLITS`` setting ("" automatic).
-        work_order: the ``FPV2_HOPPER_WORK_ORDER`` setting ("" or "0" off, "1" forced, "auto").
-        persistent: the ``FPV2_HOPPER_PERSISTENT`` setting ("dynamic": the tile queue's counter).
+        work_order: the ``FPV2_HOPPER_WORK_ORDER`` setting ("0" off, "1" forced, "auto"; "": the default
+            schedule when ``persistent`` is "" too).
+        persistent: the ``FPV2_HOPPER_PERSISTENT`` setting ("dynamic": the tile queue's counter; "": the
+            default schedule when ``work_order`` is "" too).
 
     Returns:
         True when the call may split (fewer CTAs than SMs, or forced splits), may order its tiles by
-        work (forced, or ``auto`` over uneven requests with more CTAs than SMs) or runs persistent CTAs
-        fed by the dynamic tile queue.
+        work (forced, ``auto`` over uneven requests with more CTAs than SMs, or by default with both
+        settings unset: more CTAs than SMs after a cached prefix, or a request of at least
+        :data:`DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES` CTAs, which also runs the tile queue) or may run
+        persistent CTAs fed by the dynamic tile queue (forced).
     """
     if persistent == "dynamic":
         return True
@@ -310,7 +321,12 @@ def workspace_may_be_used(
         return True  # forced: the library needs the workspace (or says why the setting is wrong)
     if work_order == "1":
         return True
-    ctas = -(-max_seqlen_q * group // 128) * num_kv_heads * num_requests
+    request_ctas = -(-max_seqlen_q * group // 128) * num_kv_heads
+    ctas = request_ctas * num_requests
+    if persistent == "" and work_order == "":
+        # The default schedule; the library decides from the rest (block-sparse, d = 128, the TMA path).
+        if request_ctas >= DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES or (max_seqlen_k > max_seqlen_q and ctas > sms):
+            return True
     if ctas < sms:
         return True
     uneven = num_requests > 1 and (total_q != num_requests * max_seqlen_q or max_seqlen_k > max_seqlen_q)
