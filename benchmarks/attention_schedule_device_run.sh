@@ -50,6 +50,11 @@
 #   benchmarks/attention_schedule_device_run.sh no-tail  --env-sets the default against the decoded order with
 #                                                      SelectionConfig.dense_tail_tiles=0 (no tile keeps its whole
 #                                                      span: a chunk-aware pipeline's middle chunks)
+#   benchmarks/attention_schedule_device_run.sh triton-order  the Triton kernel's work order (FPV2_TRITON_WORK_ORDER
+#                                                      0 / 1 in one process, Triton backend): chunks after prefixes
+#                                                      (16K after 112K, 8K after 56K, 4 x (8K after 56K)), fresh 8K,
+#                                                      32K and 128K; mean correction; 16K after 112K also without the
+#                                                      dense tail
 #   benchmarks/attention_schedule_device_run.sh chunk-profile  the locked-clock ncu of `order-profile` for the 16K
 #                                                      chunk after a 112K prefix: one CTA per tile and the pair
 #   benchmarks/attention_schedule_device_run.sh land-default  with BIN built from the tree (ran with the 32nd
@@ -170,6 +175,14 @@
 # whole span), not diffuse rows.
 # Prediction for `no-tail` (before it ran): without the dense tail the order has no heavy tile to place: chunks
 # after prefixes 0 to +4% (the order's kernels and lost L2 neighbours), fresh 32K and 128K -0 to -4% (the queue).
+#
+# Measured (`no-tail`, an H100): the default against the decoded order without the dense tail: chunks +0.6 to
+# +2.0%, fresh 32K -0.1%, fresh 128K -4.1%.
+# Prediction for `triton-order` (33rd session, before it ran; the Triton kernel's order, opt-in): chunks after a
+# prefix with their dense tail -10 to -35% (as the Hopper kernel's order alone: the same tail, less where the Triton
+# kernel runs more than one program per SM); fresh 8K -2 to +3%,
+# 32K and 128K -0 to -6% (the Hopper order alone: 32K -6.2%); without the dense tail 0 to +3%. If the chunks gain
+# >= 10% and fresh calls lose < 2%, the order becomes the Triton kernel's default for calls with a cached prefix.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; OUT.
 set -u -o pipefail
@@ -315,6 +328,19 @@ if [ "$PART" = no-tail ]; then
     echo "probe L=$seqlen B=$batch prefix=$prefix: rc=$?"
   done
   settings_table "$RESULTS/no-tail.jsonl"
+fi
+
+if [ "$PART" = triton-order ]; then
+  for shape in "16384 1 114688 1" "8192 1 57344 1" "8192 4 57344 1" "8192 1 0 1" "32768 1 0 1" "131072 1 0 1" \
+    "16384 1 114688 0"; do
+    read -r seqlen batch prefix tail <<< "$shape"
+    with_packages timeout 200 python3 benchmarks/attention_switch_probe.py --switch FPV2_TRITON_WORK_ORDER \
+      --settings 0,1 --backend triton --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean \
+      --rounds 6 --calls 3 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
+      >> "$RESULTS/triton-order.jsonl" 2> "$LOGS/triton-order-$seqlen-$batch-$prefix-$tail.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
+  done
+  settings_table "$RESULTS/triton-order.jsonl"
 fi
 
 if [ "$PART" = chunk-profile ]; then

@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each request's queries")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--backend", default="hopper", help="attention backend of the pipeline (hopper, triton)")
     parser.add_argument(
         "--dense-tail-tiles", type=int, default=None, help="SelectionConfig.dense_tail_tiles (default: its default)"
     )
@@ -123,7 +124,7 @@ def main() -> None:
     for label, correction, shift in MODES:
         if label not in wanted:
             continue
-        pipe = SparsePrefillPipeline(config, correction=correction, mass_shift=shift, backend="hopper")
+        pipe = SparsePrefillPipeline(config, correction=correction, mass_shift=shift, backend=args.backend)
         launch = captured_launch(pipe, wl)
         outputs = {}
         for setting in settings:  # warm-up, and each setting's output for the comparison
@@ -139,7 +140,7 @@ def main() -> None:
         differences = {s: (outputs[s] - first).abs().max().item() for s in settings[1:]}
         print(json.dumps({
             "label": args.label, "switch": args.switch or "+".join(names), "mode": label, "seqlen": args.seqlen,
-            "batch": args.batch, "prefix": args.prefix,
+            "batch": args.batch, "prefix": args.prefix, "backend": args.backend,
             "page_size": args.page_size, "drift_tokens": args.drift_tokens, "alpha": args.alpha,
             "dense_tail_tiles": config.dense_tail_tiles,
             "rounds": args.rounds, "calls": args.calls,

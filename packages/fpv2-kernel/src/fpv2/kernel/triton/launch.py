@@ -6,8 +6,9 @@ small ``(S,) int32`` table built on the device with ``torch.searchsorted`` over
 the cumulative tile counts (no host sync for it); its KV head, tile, prefix and
 lengths it derives itself from the batch metadata. The grid size ``S`` is a
 host value: it comes from the index's shape, or in dense mode from the batch's
-cached host view. Programs run in segment order; ordering them heaviest first
-(by kept-block count) is left to a later scheduler.
+cached host view. Programs run in segment order (last to first, ``reverse_grid``),
+or with ``FPV2_TRITON_WORK_ORDER=1`` heaviest first (:mod:`.work_order`, opt-in
+until it is timed).
 
 Host syncs: the input validation reads the batch's small index arrays once
 (cached on the batch); ``BlockIndex.check_compatible`` reads the index once per
@@ -51,6 +52,7 @@ from .sparse_attention import (
 )
 from .todo_words import segment_requests, todo_words
 from .tuning import LaunchConfig, launch_config
+from .work_order import segment_work_order, work_order_requested
 
 #: Packed query rows per program: the kernel's query tile, which must equal the index tile size.
 BLOCK_M = TILE_SIZE
@@ -180,6 +182,7 @@ def sparse_attention_triton(
     if num_segments == 0:
         return (out, lse) if return_lse else out
     seg_request = segment_requests(tile_offsets, shapes.num_kv_heads, num_segments)
+    ordered = index is not None and work_order_requested()
 
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=q.device)
     dummy_f32 = torch.zeros(1, dtype=torch.float32, device=q.device)
@@ -218,6 +221,7 @@ def sparse_attention_triton(
         batch.seqlens_k,
         batch.page_table,
         seg_request,
+        segment_work_order(index.offsets, num_segments) if ordered else dummy_i32,
         tile_offsets,
         index.offsets if index is not None else dummy_i32,
         index.blocks if index is not None and index.blocks.numel() > 0 else dummy_i32,
@@ -269,6 +273,7 @@ def sparse_attention_triton(
         PIPE_STAGES=config.num_stages,
         CORR_STAGES=config.correction_stages,
         REVERSE=config.reverse_grid,
+        ORDERED=ordered,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -252,6 +252,7 @@ def sparse_prefill_kernel(
     SeqlensK,
     PageTable,
     SegRequest,
+    SegOrder,
     TileOffsets,
     IdxOffsets,
     IdxBlocks,
@@ -304,12 +305,14 @@ def sparse_prefill_kernel(
     PIPE_STAGES: tl.constexpr,
     CORR_STAGES: tl.constexpr,
     REVERSE: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     """Attention of one (request, KV head, tile) segment over its kept blocks (+ mean correction).
 
     Pointers: ``Q (total_q, Hq, d)``, ``K``/``V (num_pages, page_size, Hkv, d)``, ``Out`` like Q,
     ``Lse (total_q, Hq) f32``; batch metadata ``CuSeqlensQ (B+1,)``, ``SeqlensK (B,)``,
-    ``PageTable (B, max_pages)``; ``SegRequest (S,)`` request of each program and
+    ``PageTable (B, max_pages)``; ``SegRequest (S,)`` request of each segment, ``SegOrder (S,)`` the
+    segment of each program when ``ORDERED`` (:mod:`.work_order`), and
     ``TileOffsets (B+1,)``; CSR ``IdxOffsets (S+1,)``, ``IdxBlocks (nnz,)`` (unused when
     ``DENSE``); FP8 descales ``(B, Hkv)`` contiguous; correction statistics and todo words
     (unused without ``CORRECTION``); with ``SECOND_ORDER`` the key spread ``KeyVariance`` /
@@ -318,7 +321,10 @@ def sparse_prefill_kernel(
     ``CORR_KIND`` picks the correction's products: 0 fp32 IEEE, 1 split fp16, 2 split bf16
     (see :func:`_correct_chunk`).
     """
-    if REVERSE:
+    if ORDERED:
+        # The kept-block work order: heaviest segments first (work_order.py).
+        pid = tl.load(SegOrder + tl.program_id(0))
+    elif REVERSE:
         # Segments run last to first: within a request, the tiles late in the sequence (the
         # most blocks to walk) start first and the short ones fill the tail of the grid.
         pid = tl.num_programs(0) - 1 - tl.program_id(0)

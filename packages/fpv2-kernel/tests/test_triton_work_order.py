@@ -1,0 +1,131 @@
+"""The Triton kernel's kept-block work order (``FPV2_TRITON_WORK_ORDER``): the permutation, and the same output."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "the Triton kernel needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment before triton is imported",
+        allow_module_level=True,
+    )
+pytest.importorskip("triton")
+
+from fpv2.kernel import CorrectionPlan
+from fpv2.kernel.reference import pool_blocks
+from fpv2.kernel.triton import BLOCK_M, sparse_attention_triton
+from fpv2.kernel.triton.work_order import (
+    WORK_BUCKETS,
+    WORK_ORDER_ENV,
+    segment_work_order,
+    work_buckets,
+    work_order_requested,
+)
+
+
+def _bucket_of(stages: int) -> int:
+    """work_bucket of csrc/hopper/work_order.hpp, transcribed."""
+    if stages <= 0:
+        return 0
+    e = 0
+    while stages >> (e + 1):
+        e += 1
+    half = (stages >> (e - 1)) & 1 if e > 0 else 0
+    return min(1 + 2 * e + half, WORK_BUCKETS - 1)
+
+
+def test_buckets_are_the_hopper_kernels():
+    counts = torch.cat([torch.arange(0, 5000), torch.tensor([2**15 - 1, 2**15, 2**20])])
+    assert work_buckets(counts).tolist() == [_bucket_of(n) for n in counts.tolist()]
+    assert work_buckets(torch.tensor([1, 2, 3, 16, 23, 24, 31])).tolist() == [1, 3, 4, 9, 9, 10, 10]
+
+
+def test_the_order_is_a_permutation_heaviest_bucket_first_then_last_segment_first():
+    generator = torch.Generator().manual_seed(3)
+    kept = torch.randint(0, 300, (1000,), generator=generator)
+    kept[::97] = 1024  # a few dense-tail segments
+    offsets = torch.zeros(1001, dtype=torch.int32)
+    offsets[1:] = kept.cumsum(0)
+    order = segment_work_order(offsets, 1000)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(1000))
+    buckets = work_buckets(kept)[order.long()]
+    assert (buckets[:-1] >= buckets[1:]).all(), "a lighter bucket before a heavier one"
+    same = buckets[:-1] == buckets[1:]
+    assert (order[:-1][same] > order[1:][same]).all(), "within a bucket: last segment first"
+    assert set(order[:11].tolist()) == set(range(0, 1000, 97)), "the dense-tail segments run first"
+
+
+def test_the_switch_is_checked(monkeypatch):
+    monkeypatch.delenv(WORK_ORDER_ENV, raising=False)
+    assert not work_order_requested()
+    monkeypatch.setenv(WORK_ORDER_ENV, "1")
+    assert work_order_requested()
+    monkeypatch.setenv(WORK_ORDER_ENV, "yes")
+    with pytest.raises(ValueError, match="FPV2_TRITON_WORK_ORDER=yes: expected 0 or 1"):
+        work_order_requested()
+
+
+@pytest.mark.parametrize("correction", [False, True])
+def test_the_ordered_grid_writes_the_same_output(paged_case, hand_index, device, monkeypatch, correction):
+    # A chunk after a cached prefix with its dense tail (the last tile keeps every visible block) and a second
+    # request: the order moves programs, not work, so the output and lse are the same bit for bit; a segment left
+    # out would keep its NaN poison.
+    seqlens_q = [150, 70]
+    case = paged_case(seqlens_q, [150, 520], num_q_heads=4, num_kv_heads=2, page_size=16, dtype=torch.float16,
+                      device=device, seed=7)  # fmt: skip
+    generator = torch.Generator().manual_seed(11)
+
+    def keep(segment):
+        if segment.row_end == seqlens_q[segment.request] * 2:  # the request's last tile (group 2)
+            return list(segment.kept)  # the dense tail
+        draws = torch.rand(len(segment.kept), generator=generator).tolist()
+        return sorted(b for b, d in zip(segment.kept, draws) if d < 0.3 or b in set(segment.diagonal_band))
+
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=2, tile_size=BLOCK_M, block_size=16, keep=keep)
+    plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch, block_size=16)) if correction else None
+    kept = (index.offsets[1:] - index.offsets[:-1])[: index.num_segments]
+    order = segment_work_order(index.offsets, index.num_segments)
+    assert order.tolist() != list(range(index.num_segments - 1, -1, -1)), "the order equals the reverse grid"
+    assert kept[order.long()].tolist()[0] == kept.max().item()
+
+    def run():
+        out = torch.full_like(case.q, float("nan"))
+        return sparse_attention_triton(
+            case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan, out=out, return_lse=True
+        )
+
+    monkeypatch.setenv(WORK_ORDER_ENV, "0")
+    plain, plain_lse = run()
+    monkeypatch.setenv(WORK_ORDER_ENV, "1")
+    ordered, ordered_lse = run()
+    assert torch.isfinite(ordered).all() and torch.isfinite(ordered_lse[ordered_lse > float("-inf")]).all()
+    assert torch.equal(plain, ordered) and torch.equal(plain_lse, ordered_lse)
+
+
+def test_the_kernel_reads_the_permutation(paged_case, hand_index, device, monkeypatch):
+    # An order that runs one segment twice and another never leaves that one's rows NaN-poisoned: the grid follows
+    # the permutation (the equality above alone would also hold for a kernel that ignored it).
+    import fpv2.kernel.triton.launch as launch
+
+    case = paged_case([150], [400], num_q_heads=4, num_kv_heads=2, page_size=16, dtype=torch.float16,
+                      device=device, seed=5)  # fmt: skip
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=2, tile_size=BLOCK_M, block_size=16,
+                          keep=lambda segment: list(segment.kept))  # fmt: skip
+
+    def repeating(offsets, num_segments):
+        order = segment_work_order(offsets, num_segments)
+        order[-1] = order[0]
+        return order
+
+    monkeypatch.setenv(WORK_ORDER_ENV, "1")
+    monkeypatch.setattr(launch, "segment_work_order", repeating)
+    out = torch.full_like(case.q, float("nan"))
+    sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, out=out)
+    assert torch.isnan(out).any(), "every segment ran: the grid ignored the permutation"
+    monkeypatch.setenv(WORK_ORDER_ENV, "0")
+    out = torch.full_like(case.q, float("nan"))
+    sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, out=out)
+    assert torch.isfinite(out).all()
