@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+from collections.abc import Callable
 
 import torch
 from shift_cost_probe import MODES  # this folder, first on sys.path when run as a script
@@ -29,8 +30,8 @@ from fpv2.kernel.testing import planted_workload
 from fpv2.serving.pipeline import SparsePrefillPipeline
 
 
-def captured_launch(pipe: SparsePrefillPipeline, workload):
-    """Runs ``pipe`` once and returns a function that replays its attention launch (same index, plan, copies)."""
+def recorded_attention_call(pipe: SparsePrefillPipeline, workload) -> tuple[Callable, tuple, dict]:
+    """Runs ``pipe`` once on ``workload``; returns its backend's ``run`` and the arguments of its attention call."""
     backend = pipe.backend
     seen: dict[str, object] = {}
     run = backend.run
@@ -44,7 +45,13 @@ def captured_launch(pipe: SparsePrefillPipeline, workload):
         pipe(workload.q, workload.k_cache, workload.v_cache, workload.batch)
     finally:
         backend.run = run
-    return lambda: run(*seen["args"], **seen["kwargs"])
+    return run, seen["args"], seen["kwargs"]
+
+
+def captured_launch(pipe: SparsePrefillPipeline, workload):
+    """Runs ``pipe`` once and returns a function that replays its attention launch (same index, plan, copies)."""
+    run, args, kwargs = recorded_attention_call(pipe, workload)
+    return lambda: run(*args, **kwargs)
 
 
 def timed(launch, calls: int) -> float:

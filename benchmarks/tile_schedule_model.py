@@ -21,21 +21,12 @@ import inspect
 import json
 
 import torch
+from attention_switch_probe import recorded_attention_call  # this folder, first on sys.path when run as a script
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.testing import planted_workload
+from fpv2.kernel.triton.work_order import work_buckets
 from fpv2.serving.pipeline import SparsePrefillPipeline
-
-BACKEND, DEVICE = "hopper", "cuda"  # what the model stands for; a CPU check of the bookkeeping may change them
-
-
-def work_bucket(stages: int) -> int:
-    """The half-octave bucket of work_order.hpp (0 for none, 31 at most)."""
-    if stages <= 0:
-        return 0
-    e = stages.bit_length() - 1
-    half = (stages >> (e - 1)) & 1 if e > 0 else 0
-    return min(1 + 2 * e + half, 31)
 
 
 def makespan(costs: list[float], slots: int) -> float:
@@ -47,26 +38,22 @@ def makespan(costs: list[float], slots: int) -> float:
 
 
 def kept_blocks_per_tile(
-    seqlen: int, batch: int, prefix: int, alpha: float, drift_tokens: float | None = None
+    seqlen: int,
+    batch: int,
+    prefix: int,
+    alpha: float,
+    drift_tokens: float | None = None,
+    *,
+    backend: str = "hopper",
+    device: str = "cuda",
 ) -> tuple[list[int], int, list[int]]:
     """Kept blocks of every tile in segment order (request, KV head, tile), the KV heads, tiles per request."""
     shape = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 1}
     wl = planted_workload([seqlen] * batch, [prefix + seqlen] * batch, **shape, dtype=torch.bfloat16,
-                          device=torch.device(DEVICE), drift_tokens=drift_tokens)  # fmt: skip
-    pipe = SparsePrefillPipeline(SelectionConfig(alpha=alpha), correction=False, backend=BACKEND)
-    backend, seen = pipe.backend, {}
-    run = backend.run
-
-    def recording_run(*args, **kwargs):
-        seen.update(inspect.signature(run).bind(*args, **kwargs).arguments)
-        return run(*args, **kwargs)
-
-    backend.run = recording_run
-    try:
-        pipe(wl.q, wl.k_cache, wl.v_cache, wl.batch)
-    finally:
-        backend.run = run
-    index = seen["index"]
+                          device=torch.device(device), drift_tokens=drift_tokens)  # fmt: skip
+    pipe = SparsePrefillPipeline(SelectionConfig(alpha=alpha), correction=False, backend=backend)
+    run, args, kwargs = recorded_attention_call(pipe, wl)
+    index = inspect.signature(run).bind(*args, **kwargs).arguments["index"]
     tiles = index.tile_offsets.diff().tolist()
     num_segments = index.num_kv_heads * sum(tiles)
     kept = index.offsets[: num_segments + 1].diff().tolist()
@@ -98,7 +85,8 @@ def main() -> None:
         seqlen, batch, prefix = (int(part) for part in spec.split(":"))
         kept, num_kv_heads, tiles = kept_blocks_per_tile(seqlen, batch, prefix, args.alpha, args.drift_tokens)
         decoded = decoded_order(num_kv_heads, tiles)
-        by_work = sorted(decoded, key=lambda s: -work_bucket(kept[s]))  # stable: decoded order within a bucket
+        bucket = work_buckets(torch.tensor(kept)).tolist()  # work_order.hpp's buckets
+        by_work = sorted(decoded, key=lambda s: -bucket[s])  # stable: decoded order within a bucket
         cost = [k + args.overhead for k in kept]
         ideal = sum(cost) / sms
         spans = {name: makespan([cost[s] for s in order], sms) for name, order in

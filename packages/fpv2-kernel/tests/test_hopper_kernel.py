@@ -391,6 +391,17 @@ def _unset_schedule_switches(monkeypatch) -> None:
     monkeypatch.delenv("FPV2_HOPPER_WORK_ORDER", raising=False)
 
 
+def _default_schedule_call(paged_case, hand_index, monkeypatch, seqlens_q, seqlens_k, mode, keep, seed):
+    """A d = 128 call the default schedule covers (skips without the kernel or d = 128), both switches unset."""
+    _require_kernel()
+    if 128 not in BUILT_HEAD_DIMS:
+        pytest.skip("the default schedule serves d = 128")
+    case = _default_schedule_case(paged_case, seqlens_q, seqlens_k, seed=seed)
+    index, plan = _index_and_plan(case, hand_index, mode, keep)
+    _unset_schedule_switches(monkeypatch)
+    return case, index, plan
+
+
 def _bytes_under(case, index, plan, monkeypatch, env: dict[str, str]) -> int:
     """What the call asks for under ``env``'s switches (then unset again)."""
     for name, value in env.items():
@@ -405,13 +416,9 @@ def _bytes_under(case, index, plan, monkeypatch, env: dict[str, str]) -> int:
 def test_long_block_sparse_requests_run_the_tile_queue_by_default(paged_case, hand_index, monkeypatch, mode):
     # Both switches unset: a request of 6144 CTAs or more (block-sparse, d = 128, TMA pages) runs persistent CTAs
     # fed by the tile queue in the work order: it asks for what the explicit settings ask for.
-    _require_kernel()
-    if 128 not in BUILT_HEAD_DIMS:
-        pytest.skip("the default schedule serves d = 128")
     assert LONG_SEQLENS[0] * 4 // 128 * 2 == native.DEFAULT_TILE_QUEUE_MIN_REQUEST_TILES
-    case = _default_schedule_case(paged_case, LONG_SEQLENS, LONG_SEQLENS, seed=17 + len(mode))
-    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(23, 0.05))
-    _unset_schedule_switches(monkeypatch)
+    case, index, plan = _default_schedule_call(paged_case, hand_index, monkeypatch, LONG_SEQLENS, LONG_SEQLENS, mode,
+                                               _keep_some(23, 0.05), seed=17 + len(mode))  # fmt: skip
     queued = {"FPV2_HOPPER_PERSISTENT": "dynamic", "FPV2_HOPPER_WORK_ORDER": "1"}
     by_default = _workspace_bytes(case, index, plan)
     assert by_default == _bytes_under(case, index, plan, monkeypatch, queued) > 256, "not the queue in the order"
@@ -423,12 +430,9 @@ def test_long_block_sparse_requests_run_the_tile_queue_by_default(paged_case, ha
 def test_chunks_after_a_prefix_run_the_work_order_by_default(paged_case, hand_index, monkeypatch, mode):
     # Both switches unset: a chunk after a cached prefix with more CTAs than SMs runs one CTA per tile in the
     # kept-block work order (its permutation in the workspace, no tile queue).
-    _require_kernel()
-    if 128 not in BUILT_HEAD_DIMS:
-        pytest.skip("the default schedule serves d = 128")
-    case = _default_schedule_case(paged_case, CHUNK_SEQLENS_Q, CHUNK_SEQLENS_K, seed=29 + len(mode))
-    index, plan = _index_and_plan(case, hand_index, mode, _keep_some(31, 0.1))
-    _unset_schedule_switches(monkeypatch)
+    keep = _keep_some(31, 0.1)
+    case, index, plan = _default_schedule_call(paged_case, hand_index, monkeypatch, CHUNK_SEQLENS_Q, CHUNK_SEQLENS_K,
+                                               mode, keep, seed=29 + len(mode))  # fmt: skip
     by_default = _workspace_bytes(case, index, plan)
     ordered = _bytes_under(case, index, plan, monkeypatch, {"FPV2_HOPPER_WORK_ORDER": "1"})
     queued = _bytes_under(case, index, plan, monkeypatch,
