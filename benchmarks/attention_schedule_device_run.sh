@@ -55,6 +55,13 @@
 #                                                      (16K after 112K, 8K after 56K, 4 x (8K after 56K)), fresh 8K,
 #                                                      32K and 128K; mean correction; 16K after 112K also without the
 #                                                      dense tail
+#   benchmarks/attention_schedule_device_run.sh chunk-attention  chunk_attention_probe.py (128K in 8K chunks, Hopper
+#                                                      backend, mean correction): each chunk's attention call of the
+#                                                      per-chunk and the chunk-aware pipelines, its stage time in the
+#                                                      eager run and its replayed launch; under the default and under
+#                                                      the decoded order (both switches 0), one process each
+#   benchmarks/attention_schedule_device_run.sh suites  the kernel and serving packages' GPU suites (the serving
+#                                                      soak left out)
 #   benchmarks/attention_schedule_device_run.sh chunk-profile  the locked-clock ncu of `order-profile` for the 16K
 #                                                      chunk after a 112K prefix: one CTA per tile and the pair
 #   benchmarks/attention_schedule_device_run.sh land-default  with BIN built from the tree (ran with the 32nd
@@ -183,6 +190,14 @@
 # kernel runs more than one program per SM); fresh 8K -2 to +3%,
 # 32K and 128K -0 to -6% (the Hopper order alone: 32K -6.2%); without the dense tail 0 to +3%. If the chunks gain
 # >= 10% and fresh calls lose < 2%, the order becomes the Triton kernel's default for calls with a cached prefix.
+# Prediction for `chunk-attention` (34th session, before it ran): under the default the chunk-aware pipeline's
+# attention stage summed 16.81 ms against the per-chunk pipeline's 14.68 at a lower density (0.0379 / 0.0414), and
+# the unchunked call at the same density as the chunk-aware one took 12.2. Its chunks see the same kept blocks per
+# tile as the unchunked call, so the kernels alone (replays) should sum to about the unchunked call's 11.5-12.5 ms
+# plus sixteen launch tails (~0.05 ms each): aware replay sum 12-13.5 ms, below the per-chunk pipeline's (13.5-14.5,
+# its dense tails). Then the rest of the 16.81 is the eager run's host time inside the stage (the GPU idle while
+# the host prepares the launch), not the kernel. If instead the aware replays sum >= 15 ms, some of its chunks'
+# launches are slow per kept block (the per-chunk rows say which).
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; OUT.
 set -u -o pipefail
@@ -341,6 +356,25 @@ if [ "$PART" = triton-order ]; then
     echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
   done
   settings_table "$RESULTS/triton-order.jsonl"
+fi
+
+if [ "$PART" = chunk-attention ]; then
+  for setting in default decoded; do
+    assignments=()
+    [ "$setting" = decoded ] && assignments=(FPV2_HOPPER_PERSISTENT=0 FPV2_HOPPER_WORK_ORDER=0)
+    env "${assignments[@]}" PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" \
+      FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" timeout 240 python3 benchmarks/chunk_attention_probe.py \
+      --seqlen 131072 --chunk 8192 --rounds 5 --calls 3 --out "$RESULTS/chunk-attention-$setting.jsonl" \
+      > "$RESULTS/chunk-attention-$setting.txt" 2> "$LOGS/chunk-attention-$setting.log"
+    echo "chunk attention probe ($setting): rc=$?"
+    cat "$RESULTS/chunk-attention-$setting.txt"
+  done
+fi
+
+if [ "$PART" = suites ]; then
+  gpu_tests kernel-suite 300 packages/fpv2-kernel/tests -m "gpu or hopper"
+  gpu_tests serving-suite 240 packages/fpv2-serving/tests -m "gpu or hopper" \
+    --deselect packages/fpv2-serving/tests/test_soak.py
 fi
 
 if [ "$PART" = chunk-profile ]; then

@@ -241,6 +241,13 @@ bool runs_persistent(const PrefillPlan& plan) {
   return plan.persistent != 0 && plan.page_size % prefill_kv_tile(plan.head_dim) == 0;
 }
 
+// Whether the caller's workspace holds `need` bytes at kWorkspaceAlignment (what an automatic choice needs to
+// switch itself on; forced ones are refused with a message instead).
+bool workspace_holds(const PrefillPlan& plan, uint64_t need) {
+  return plan.workspace != nullptr && plan.workspace_bytes >= need &&
+         reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment == 0;
+}
+
 // The refusal of a workspace that is not kWorkspaceAlignment-aligned, naming what needs it; FPV2_OK if aligned.
 int32_t check_workspace_alignment(const PrefillPlan& plan, const char* user) {
   if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment == 0) return FPV2_OK;
@@ -253,7 +260,7 @@ int32_t check_workspace_alignment(const PrefillPlan& plan, const char* user) {
 // pooled statistics (not the persistent CTAs, FPV2_HOPPER_OVERLAP=0 or the FP8 correction); automatic ones need the workspace they fill (else none: the
 // same result from one CTA per tile), forced ones are refused without it. `sizing`: choose as if the
 // workspace were unbounded (fpv2_prefill_workspace_size).
-int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
+int32_t choose_kv_splits(PrefillPlan& plan, bool sizing = false) {
   int32_t forced = 0;
   FPV2_RETURN_IF_ERROR(splits_from_environment(&forced));
   plan.num_splits = 1;
@@ -261,11 +268,7 @@ int32_t choose_kv_splits(PrefillPlan& plan, int device, bool sizing = false) {
   if (runs_persistent(plan) || !plan.overlap || plan.pooled_k_e4m3 != nullptr || forced == 1) return FPV2_OK;
   const int64_t num_ctas = plan_query_tiles(plan);
   int splits = forced;
-  if (splits == 0) {
-    int sms = 0;
-    FPV2_RETURN_IF_ERROR(sm_count(device, &sms));
-    splits = auto_kv_splits(num_ctas, sms, plan.max_seqlen_k);
-  }
+  if (splits == 0) splits = auto_kv_splits(num_ctas, plan.sm_count, plan.max_seqlen_k);
   if (splits <= 1) return FPV2_OK;
   const int64_t num_q_heads = int64_t(plan.num_kv_heads) * plan.group;
   const uint64_t need = split_workspace_bytes(plan.total_q, num_q_heads, plan.head_dim, splits);
@@ -315,7 +318,7 @@ int32_t check_tile_queue_workspace(const PrefillPlan& plan) {
 // for equal fresh requests, where the decoded order already starts each request's longest tiles first.
 // "auto" needs the workspace (else off: the same result in the decoded order); "1" is refused without it.
 // `sizing`: as if the workspace were unbounded.
-int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
+int32_t choose_work_order(PrefillPlan& plan, bool sizing = false) {
   plan.work_order = 0;
   const char* value = std::getenv("FPV2_HOPPER_WORK_ORDER");
   const std::string setting = value != nullptr ? value : "";
@@ -332,27 +335,25 @@ int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
     const bool uneven = plan.num_requests > 1 && (plan.total_q != int64_t(plan.num_requests) * plan.max_seqlen_q ||
                                                  plan.max_seqlen_k > plan.max_seqlen_q);
     if (!uneven) return FPV2_OK;
-    int sms = 0;
-    FPV2_RETURN_IF_ERROR(sm_count(device, &sms));
-    if (num_tiles <= sms) return FPV2_OK;  // one wave: the order cannot change when a tile starts
+    if (num_tiles <= plan.sm_count) return FPV2_OK;  // one wave: the order cannot change when a tile starts
   }
   const uint64_t need = tile_queue_bytes(plan) + work_order_workspace_bytes(num_tiles);
   if (sizing) {
     plan.work_order = 1;
     return FPV2_OK;
   }
+  if (!forced) {
+    if (workspace_holds(plan, need)) plan.work_order = 1;
+    return FPV2_OK;
+  }
   if (plan.workspace == nullptr || plan.workspace_bytes < need) {
-    if (!forced) return FPV2_OK;
     return fail(FPV2_ERROR_WORKSPACE_TOO_SMALL,
                 format("environment FPV2_HOPPER_WORK_ORDER=1: the work order of %lld tiles needs %llu bytes of "
                        "workspace (fpv2_prefill_workspace_size); got fpv2_prefill_args_t.workspace_bytes=%llu",
                        ll(num_tiles), static_cast<unsigned long long>(need),
                        static_cast<unsigned long long>(plan.workspace_bytes)));
   }
-  if (reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment != 0) {
-    if (!forced) return FPV2_OK;
-    return check_workspace_alignment(plan, "the work order");
-  }
+  FPV2_RETURN_IF_ERROR(check_workspace_alignment(plan, "the work order"));
   plan.work_order = 1;
   return FPV2_OK;
 }
@@ -360,22 +361,18 @@ int32_t choose_work_order(PrefillPlan& plan, int device, bool sizing = false) {
 // FPV2_HOPPER_PERSISTENT and FPV2_HOPPER_WORK_ORDER both unset (or ""): schedule_default.hpp's choice, when the
 // workspace holds what it needs (`sizing`: as if it did), else the decoded order (the same result). Runs after
 // choose_kv_splits and choose_work_order; a call that splits keeps its split.
-int32_t choose_default_schedule(PrefillPlan& plan, int device, bool sizing = false) {
+int32_t choose_default_schedule(PrefillPlan& plan, bool sizing = false) {
   for (const char* name : {"FPV2_HOPPER_PERSISTENT", "FPV2_HOPPER_WORK_ORDER"}) {
     const char* value = std::getenv(name);
     if (value != nullptr && *value != '\0') return FPV2_OK;
   }
   if (plan.num_splits > 1) return FPV2_OK;
-  int sms = 0;
-  FPV2_RETURN_IF_ERROR(sm_count(device, &sms));
   const int64_t num_tiles = plan_query_tiles(plan);
-  const DefaultSchedule schedule = default_schedule(plan, num_tiles / plan.num_requests, num_tiles, sms);
+  const DefaultSchedule schedule = default_schedule(plan, num_tiles / plan.num_requests, num_tiles, plan.sm_count);
   if (schedule == DefaultSchedule::kDecodedOrder) return FPV2_OK;
   const bool queue = schedule == DefaultSchedule::kTileQueueInWorkOrder;
   const uint64_t need = (queue ? tile_queue_workspace_bytes() : 0) + work_order_workspace_bytes(num_tiles);
-  const bool fits = plan.workspace != nullptr && plan.workspace_bytes >= need &&
-                    reinterpret_cast<uintptr_t>(plan.workspace) % kWorkspaceAlignment == 0;
-  if (!sizing && !fits) return FPV2_OK;
+  if (!sizing && !workspace_holds(plan, need)) return FPV2_OK;
   plan.work_order = 1;
   if (queue) plan.persistent = 2;
   return FPV2_OK;
@@ -486,6 +483,7 @@ int32_t plan_prefill(const fpv2_prefill_args_t& args, DeviceGuard& guard, Prefil
   FPV2_RETURN_IF_ERROR(check_hopper_device(guard.device(), "fpv2 Hopper prefill"));
 
   plan = PrefillPlan{};
+  FPV2_RETURN_IF_ERROR(sm_count(guard.device(), &plan.sm_count));
   plan.num_splits = 1;
   plan.workspace = args.workspace;
   plan.workspace_bytes = args.workspace_bytes;
@@ -565,9 +563,9 @@ int32_t prefill_workspace_size(const fpv2_prefill_args_t& args, uint64_t* bytes)
   DeviceGuard guard;
   PrefillPlan plan{};
   FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
-  FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device(), /*sizing=*/true));
-  FPV2_RETURN_IF_ERROR(choose_work_order(plan, guard.device(), /*sizing=*/true));
-  FPV2_RETURN_IF_ERROR(choose_default_schedule(plan, guard.device(), /*sizing=*/true));
+  FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, /*sizing=*/true));
+  FPV2_RETURN_IF_ERROR(choose_work_order(plan, /*sizing=*/true));
+  FPV2_RETURN_IF_ERROR(choose_default_schedule(plan, /*sizing=*/true));
   *bytes = split_workspace_bytes(plan.total_q, int64_t(plan.num_kv_heads) * plan.group, plan.head_dim,
                                  plan.num_splits);
   if (plan.work_order) {
@@ -581,9 +579,9 @@ int32_t launch_prefill(const fpv2_prefill_args_t& args, cudaStream_t stream) {
   DeviceGuard guard;
   PrefillPlan plan{};
   FPV2_RETURN_IF_ERROR(plan_prefill(args, guard, plan));
-  FPV2_RETURN_IF_ERROR(choose_kv_splits(plan, guard.device()));
-  FPV2_RETURN_IF_ERROR(choose_work_order(plan, guard.device()));
-  FPV2_RETURN_IF_ERROR(choose_default_schedule(plan, guard.device()));
+  FPV2_RETURN_IF_ERROR(choose_kv_splits(plan));
+  FPV2_RETURN_IF_ERROR(choose_work_order(plan));
+  FPV2_RETURN_IF_ERROR(choose_default_schedule(plan));
   FPV2_RETURN_IF_ERROR(check_tile_queue_workspace(plan));
   // One case per entry of kPrefillHeadDims (prefill_instances.hpp).
   switch (plan.head_dim) {

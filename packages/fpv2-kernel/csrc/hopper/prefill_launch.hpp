@@ -270,14 +270,7 @@ int32_t launch_with(const PrefillPlan& plan, cudaStream_t stream) {
     }
   }
   if (persistent) {
-    int device = 0, sms = 0;
-    err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) {
-      return fpv2::detail::fail(FPV2_ERROR_CUDA,
-                                fpv2::detail::format("fpv2 Hopper prefill: cannot query the SM count: %s",
-                                                     cudaGetErrorString(err)));
-    }
+    const int64_t sms = plan.sm_count;
     grid_ctas = num_ctas < sms ? num_ctas : sms;  // one CTA per SM (the kernel's shared memory allows one)
   }
   const dim3 grid(static_cast<unsigned>(grid_ctas));

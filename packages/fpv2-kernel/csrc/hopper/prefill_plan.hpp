@@ -33,6 +33,7 @@ struct PrefillPlan {
   uint64_t workspace_bytes;
   int64_t total_q;
   int32_t max_seqlen_k;
+  int32_t sm_count;  // the call's device, queried once by plan_prefill (splits, default schedule, persistent grid)
 
   // Queries and outputs (total_q, Hq, d), lse (total_q, Hq) or nullptr; strides in elements.
   const void* q;
