@@ -199,7 +199,19 @@
 # the host prepares the launch), not the kernel. If instead the aware replays sum >= 15 ms, some of its chunks'
 # launches are slow per kept block (the per-chunk rows say which).
 #
-# Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; OUT.
+# Measured (`chunk-attention`, 34th session, an H100): the prediction was wrong. Under the default the aware replays
+# sum to 16.16 ms (per-chunk pipeline 15.25): the kernels, not host gaps (stage sums 16.86 / 15.14). Per chunk the
+# aware launch is slower at fewer kept blocks (40K prefix: 23,404 kept 0.665 ms against 25,866 kept 0.560). Cause:
+# at page size 1 the Hopper backend copies each call's whole KV into tile pages (tile_repack_policy), inside the
+# aware pipeline's attention call, while the per-chunk pipeline's copy is made by its pooling kernel (index stage):
+# about 8.5 copies of the 128K prompt. Fixed by carrying the tile pages across chunks (chunked_tile_pages.py).
+# Prediction for `chunk-attention` and `chunked` with the carried pages (before they ran): the aware replays lose
+# the per-call copies, ~0.4 ms of H100 time per 128K of KV, 8.5 prompts' worth: 16.2 -> 12.5-13.5 ms, below the
+# per-chunk pipeline's 15.2 (its dense tails); its index stage gains the carried copies (~16 x 0.03 ms). The
+# chunk-aware whole prefill (`chunked`, default schedule) 21.7 -> 18.5-19.5 ms; per-chunk and unchunked rows unchanged.
+#
+# Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
+# and `chunk-attention` [default decoded]; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
@@ -321,7 +333,7 @@ if [ "$PART" = sanitize-default ]; then
 fi
 
 if [ "$PART" = chunked ]; then
-  for setting in default decoded; do
+  for setting in ${SETTINGS:-default decoded}; do
     (
       [ "$setting" = decoded ] && export FPV2_HOPPER_PERSISTENT=0 FPV2_HOPPER_WORK_ORDER=0
       with_packages timeout 200 python3 benchmarks/chunked_prefill.py --chunks 8192 --backend hopper --no-error \
@@ -359,7 +371,7 @@ if [ "$PART" = triton-order ]; then
 fi
 
 if [ "$PART" = chunk-attention ]; then
-  for setting in default decoded; do
+  for setting in ${SETTINGS:-default decoded}; do
     assignments=()
     [ "$setting" = decoded ] && assignments=(FPV2_HOPPER_PERSISTENT=0 FPV2_HOPPER_WORK_ORDER=0)
     env "${assignments[@]}" PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" \

@@ -1,13 +1,15 @@
 """Per-chunk attention of the chunked pipelines: where the chunk-aware pipeline's attention time goes.
 
 Runs :class:`fpv2.serving.chunked.ChunkedPrefillPipeline` on the planted workload in
-chunks of ``--chunk`` queries twice, per chunk (``naive``: each chunk selected as a
-whole prefill, a dense tail in every chunk) and chunk-aware (``aware``: the
-whole prompt's selection), records every chunk's attention call (the backend's
+chunks of ``--chunk`` queries three ways: per chunk (``naive``: each chunk selected as a
+whole prefill, a dense tail in every chunk), chunk-aware (``aware``: the whole
+prompt's selection, on the tile pages it carries across chunks at small page
+sizes) and chunk-aware without the carried pages (``aware-per-call``: the
+backend's own copy of each call's whole KV, as before 2026-12-06), records every chunk's attention call (the backend's
 ``run`` with its index and correction plan), then replays each recorded call
 ``--calls`` times back to back between two CUDA events, ``--rounds`` rounds with
 the two pipelines interleaved. For each chunk it prints the kept and visible
-(tile, block) pairs, the pipeline's own attention-stage time (CUDA events in an
+(tile, block) pairs, the pipeline's own index- and attention-stage times (CUDA events in an
 eager run: host gaps included) and the replayed launch's time (the kernels
 alone). Sums over the chunks tell whether a difference between the pipelines is
 in the kernels or around them.
@@ -32,11 +34,12 @@ import torch
 from fpv2.index import SelectionConfig
 from fpv2.kernel.contracts import num_query_tiles
 from fpv2.kernel.testing import planted_workload
+from fpv2.serving import chunked
 from fpv2.serving.backends import resolve_backend
 from fpv2.serving.chunked import ChunkedPrefillPipeline, ChunkedPrefillResult
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MODES = ("naive", "aware")
+MODES = ("naive", "aware", "aware-per-call")
 
 
 def parse_args() -> argparse.Namespace:
@@ -106,6 +109,7 @@ def chunk_rows(result: ChunkedPrefillResult, group: int) -> list[dict[str, objec
                 "kept_pairs": chunk.kept_pairs,
                 "visible_pairs": chunk.visible_pairs,
                 "dense_tiles": chunk.dense_tiles,
+                "stage_index_ms": chunk.timings.index_ms,
                 "stage_attention_ms": chunk.timings.attention_ms,
             }
         )
@@ -128,13 +132,16 @@ def main() -> None:
     )
     config = SelectionConfig(alpha=args.alpha)
     runs = {}
+    carried = chunked.carried_tile_copies
     for mode in MODES:
         pipe = ChunkedPrefillPipeline(
-            config, correction=True, backend=resolve_backend(args.backend), chunk_aware=mode == "aware"
+            config, correction=True, backend=resolve_backend(args.backend), chunk_aware=mode != "naive"
         )
+        chunked.carried_tile_copies = (lambda *_: None) if mode == "aware-per-call" else carried
         recorded_chunks(pipe, workload, args.chunk)  # warm-up: compiles, allocator, clocks
         result, calls = recorded_chunks(pipe, workload, args.chunk)
         runs[mode] = (chunk_rows(result, group), calls)
+    chunked.carried_tile_copies = carried
     replays: dict[str, list[list[float]]] = {mode: [[] for _ in runs[mode][1]] for mode in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
@@ -142,7 +149,7 @@ def main() -> None:
                 samples.append(replay_ms(call, args.calls, device))
     header = f"{'chunk':>5} {'kv_len':>7} {'tiles':>6}"
     for mode in MODES:
-        header += f" | {mode:>5} {'kept':>7} {'density':>7} {'stage ms':>8} {'replay ms':>9}"
+        header += f" | {mode:>14} {'kept':>6} {'density':>7} {'index':>6} {'attn':>6} {'replay':>6}"
     print(header)
     for i, naive_row in enumerate(runs["naive"][0]):
         line = f"{i:>5} {naive_row['kv_len']:>7} {naive_row['tiles']:>6}"
@@ -151,21 +158,26 @@ def main() -> None:
             row["replay_ms"] = statistics.median(replays[mode][i])
             density = row["kept_pairs"] / max(row["visible_pairs"], 1)
             line += (
-                f" | {'':>5} {row['kept_pairs']:>7} {density:>7.4f} {row['stage_attention_ms']:>8.3f}"
-                f" {row['replay_ms']:>9.3f}"
+                f" | {'':>14} {row['kept_pairs']:>6} {density:>7.4f} {row['stage_index_ms']:>6.3f}"
+                f" {row['stage_attention_ms']:>6.3f} {row['replay_ms']:>6.3f}"
             )
         print(line)
     for mode in MODES:
         rows = runs[mode][0]
         kept = sum(r["kept_pairs"] for r in rows)
         visible = sum(r["visible_pairs"] for r in rows)
+        index = sum(r["stage_index_ms"] for r in rows)
         stage = sum(r["stage_attention_ms"] for r in rows)
         replay = sum(r["replay_ms"] for r in rows)
-        print(f"{mode}: density {kept / visible:.4f}, stage attention {stage:.3f} ms, replayed {replay:.3f} ms")
+        print(
+            f"{mode}: density {kept / visible:.4f}, stage index {index:.3f} ms, stage attention {stage:.3f} ms, "
+            f"replayed {replay:.3f} ms"
+        )
         if args.out:
             with open(args.out, "a") as fh:
                 record = {"mode": mode, "seqlen": args.seqlen, "chunk": args.chunk, "backend": args.backend}
-                record.update({"density": kept / visible, "stage_ms": stage, "replay_ms": replay, "chunks": rows})
+                record.update({"density": kept / visible, "index_ms": index, "stage_ms": stage, "replay_ms": replay})
+                record["chunks"] = rows
                 fh.write(json.dumps(record) + "\n")
 
 

@@ -22,6 +22,7 @@ try:
     from fpv2.kernel.triton.launch import is_interpreted
     from fpv2.kernel.triton.tile_repack import (
         TILE_TOKENS,
+        repack_into_tile_pages,
         repack_to_tile_pages,
         tile_batch,
         tile_pages_per_request,
@@ -179,6 +180,37 @@ def test_bad_caches_are_refused_with_their_name() -> None:
     halves = case.k_cache.reshape(-1, 2, *case.k_cache.shape[2:])  # the same tokens in pages of 2
     with pytest.raises(ValueError, match="pages of 2 tokens, the batch says page_size=4"):
         repack_to_tile_pages(halves, halves, case.batch)
+
+
+@needs_kernel
+def test_a_copy_into_caller_pages_writes_the_pages_it_is_given_and_no_others() -> None:
+    case = make_case([70, 200], [70, 331], num_kv_heads=2, head_dim=64, page_size=16, device=DEVICE)
+    want = repack_to_tile_pages(case.k_cache, case.v_cache, case.batch)
+    pages = want.k_cache.shape[0]
+    shape = (pages + 3, *want.k_cache.shape[1:])
+    k_tiles = torch.full(shape, float("nan"), dtype=case.k_cache.dtype, device=DEVICE)
+    v_tiles = torch.full(shape, float("nan"), dtype=case.k_cache.dtype, device=DEVICE)
+    got = repack_into_tile_pages(case.k_cache, case.v_cache, case.batch, k_tiles[2 : 2 + pages], v_tiles[2:])
+    assert got.k_cache.data_ptr() == k_tiles[2].data_ptr() and got.batch is want.batch  # the batch's tile batch
+    torch.testing.assert_close(k_tiles[2 : 2 + pages], want.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(v_tiles[2 : 2 + pages], want.v_cache, rtol=0, atol=0)
+    for tiles in (k_tiles, v_tiles):  # pages before and after the views are not touched
+        assert bool(tiles[:2].isnan().all()) and bool(tiles[2 + pages :].isnan().all())
+
+
+@needs_kernel
+def test_caller_pages_of_the_wrong_kind_are_refused_with_their_name() -> None:
+    case = make_case([20], [300], num_kv_heads=2, head_dim=64, page_size=4, device=DEVICE)
+    k_tiles = torch.empty((3, TILE_TOKENS, 2, 64), dtype=case.k_cache.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="k_tiles holds 2 tile pages; the batch needs 3"):
+        repack_into_tile_pages(case.k_cache, case.v_cache, case.batch, k_tiles[:2], k_tiles)
+    with pytest.raises(TypeError, match="v_tiles must have the caches' dtype"):
+        repack_into_tile_pages(case.k_cache, case.v_cache, case.batch, k_tiles, k_tiles.double())
+    with pytest.raises(ValueError, match=r"v_tiles must be \(n, 128, 2, 64\)"):
+        repack_into_tile_pages(case.k_cache, case.v_cache, case.batch, k_tiles, k_tiles[:, :64])
+    strided = torch.empty((3, TILE_TOKENS, 64, 2), dtype=case.k_cache.dtype, device=DEVICE).transpose(2, 3)
+    with pytest.raises(ValueError, match="k_tiles must be contiguous"):
+        repack_into_tile_pages(case.k_cache, case.v_cache, case.batch, strided, k_tiles)
 
 
 @pytest.mark.gpu

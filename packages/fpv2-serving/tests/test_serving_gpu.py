@@ -102,3 +102,40 @@ def test_hopper_pipeline_runs_on_the_copy_the_pooling_made(monkeypatch, page_siz
     assert torch.equal(got.out, want.out)
     ref = dense_attention(w.q, w.k_cache, w.v_cache, w.batch)
     assert rel_err(got.out, ref) < 0.1
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(not hopper_runs_here(), reason="needs an sm_90 GPU and the native Hopper kernel")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_hopper_chunks_run_on_the_carried_tile_pages(monkeypatch, page_size):
+    # The chunk-aware pipeline keeps the prompt in tile pages; every chunk's call runs on them.
+    from fpv2.serving.backends import HopperBackend
+    from fpv2.serving.chunked import ChunkedPrefillPipeline
+
+    monkeypatch.delenv("FPV2_HOPPER_REPACK", raising=False)
+    w = planted_workload(
+        [6000], [6500], num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=page_size, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
+    config = SelectionConfig(min_sparse_kv_len=0)
+    pipeline = ChunkedPrefillPipeline(config, backend="hopper")
+    layouts = []
+    run = pipeline.backend.run
+
+    def recording_run(*args, **kwargs):
+        out = run(*args, **kwargs)
+        layouts.append((pipeline.backend.last_kv_layout, kwargs.get("tile_copies") is not None))
+        return out
+
+    monkeypatch.setattr(pipeline.backend, "run", recording_run)
+    got = pipeline.run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=1024)
+    assert layouts == [("tile-repack", True)] * 6
+    # Without the carried pages each chunk copies its whole KV (forced): the same tile rows, so the same bits.
+    monkeypatch.setattr(HopperBackend, "carries_tile_pages", lambda self, *args: False)
+    monkeypatch.setenv("FPV2_HOPPER_REPACK", "1")
+    per_call = ChunkedPrefillPipeline(config, backend="hopper")
+    want = per_call.run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=1024)
+    assert per_call.backend.last_kv_layout == "tile-repack" and per_call.backend.last_copy_pooled is False
+    assert torch.equal(got.out, want.out)
+    ref = dense_attention(w.q, w.k_cache, w.v_cache, w.batch)
+    assert rel_err(got.out, ref) < 0.1

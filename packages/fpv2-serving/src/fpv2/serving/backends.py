@@ -31,7 +31,7 @@ import torch
 from fpv2.kernel import BLOCK_SIZE, BlockIndex, CorrectionPlan, PagedPrefillBatch
 
 from .fallback_backend import FallbackBackend
-from .tile_repack_policy import should_repack
+from .tile_repack_policy import should_carry_tile_pages, should_repack
 
 if TYPE_CHECKING:
     from fpv2.kernel.triton.tile_repack import TileRepacked
@@ -364,6 +364,23 @@ class HopperBackend:
         from fpv2.kernel.triton.tile_repack import allocate_tile_pages
 
         return allocate_tile_pages(k_cache, v_cache, batch)
+
+    def carries_tile_pages(
+        self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, copy_bytes: int
+    ) -> bool:
+        """Whether a chunked prefill should keep its request's K/V in tile pages for this backend's calls.
+
+        Asked by :mod:`fpv2.serving.chunked_tile_pages` before its first copy: the kernel serves the call,
+        reads the cache as it is, and its pages are not tile pages
+        (:func:`~fpv2.serving.tile_repack_policy.should_carry_tile_pages`, ``copy_bytes`` the whole
+        prompt's copies). :meth:`run` then takes the carried copy as ``tile_copies``.
+
+        Returns:
+            True when the copy pays and fits.
+        """
+        if self._cache_layout_problem(k_cache) is not None or self.serves(q, k_cache, batch, None) is not None:
+            return False
+        return should_carry_tile_pages(batch.page_size, self.kv_tile, copy_bytes, k_cache.device)
 
     @staticmethod
     def _cache_layout_problem(cache: torch.Tensor) -> str | None:

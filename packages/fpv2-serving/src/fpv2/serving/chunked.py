@@ -39,6 +39,7 @@ from .backends import AUTO, AttentionBackend, output_dtype
 from .chunked_pooling import batch_from_host, pool_chunk
 from .chunked_selection import select_chunk_blocks
 from .chunked_state import ChunkedPrefillState
+from .chunked_tile_pages import carried_tile_copies
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline, is_builtin_strategy
 from .timing import StageClock, StageTimings
 from .transfer import device_ints
@@ -310,12 +311,16 @@ class ChunkedPrefillPipeline:
         if not self._plain.check_index and is_builtin_strategy(self.strategy):
             # Built here from this chunk batch (a built-in strategy, or the dense rule): no device re-check.
             index.assume_compatible(batch, shapes.group)
+        # Small pages: the request's K/V in tile pages, each chunk copying only what it adds (None: the
+        # backend's per-call rule). Counted with the index stage, as the pipeline's copy made while pooling.
+        tile_copies = carried_tile_copies(self.backend, q, k_cache, v_cache, batch, states)
         clock.mark("index")
         plan = None
         if self.correction:
             derives_todo = getattr(self.backend, "derives_todo", False)
             plan = CorrectionPlan(statistics) if derives_todo else build_correction_plan(index, statistics, batch)
         clock.mark("correction")
+        copies = {"tile_copies": tile_copies} if tile_copies is not None else {}
         out = self.backend.run(
             q,
             k_cache,
@@ -325,6 +330,7 @@ class ChunkedPrefillPipeline:
             plan,
             softmax_scale=self.config.scale_for(shapes.head_dim),
             **descales,
+            **copies,
         )
         clock.mark("attention")
         result = PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)

@@ -69,6 +69,11 @@ class ChunkedPrefillState:
         block_lengths: ``(capacity,) int32`` valid tokens per pooled block.
         pooled_blocks: blocks pooled so far, over all chunks (each re-pool counts).
         chunks: chunks pooled so far.
+        tile_k: ``(pages, 128, Hkv, d)`` keys of the whole prompt in tile pages, when the backend
+            runs the chunks on such a copy (:mod:`.chunked_tile_pages`), else None.
+        tile_v: the values in tile pages, or None.
+        tile_table: ``(1, pages) int32`` page table of the tile pages (page ``j`` is ``j``), or None.
+        tile_tokens: KV tokens the tile pages hold (0 without them).
 
     Raises:
         TypeError: an argument is not an int (or None for ``prompt_len``).
@@ -85,6 +90,10 @@ class ChunkedPrefillState:
     block_lengths: torch.Tensor | None = field(default=None, init=False, repr=False)
     pooled_blocks: int = field(default=0, init=False)
     chunks: int = field(default=0, init=False)
+    tile_k: torch.Tensor | None = field(default=None, init=False, repr=False)
+    tile_v: torch.Tensor | None = field(default=None, init=False, repr=False)
+    tile_table: torch.Tensor | None = field(default=None, init=False, repr=False)
+    tile_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.prompt_len is not None:
@@ -270,8 +279,10 @@ class ChunkedPrefillState:
         return self.pooled_k[:nb], pooled_v, self.block_lengths[:nb]
 
     def reset(self) -> None:
-        """Forget the pooled statistics (the request's KV is recomputed from scratch); keep the geometry."""
+        """Forget the pooled statistics and tile pages (the KV is recomputed from scratch); keep the geometry."""
         self.num_tokens = 0
         self.pooled_k = self.pooled_v = self.block_lengths = None
+        self.tile_k = self.tile_v = self.tile_table = None
+        self.tile_tokens = 0
         self.pooled_blocks = 0
         self.chunks = 0

@@ -104,6 +104,18 @@ class FallbackBackend:
         offer = getattr(self.primary, "tile_copies_for", None)
         return offer(q, k_cache, v_cache, batch) if callable(offer) else None
 
+    def carries_tile_pages(
+        self, q: torch.Tensor, k_cache: torch.Tensor, batch: PagedPrefillBatch, copy_bytes: int
+    ) -> bool:
+        """The primary's ``carries_tile_pages(...)``, or False when it has none.
+
+        Returns:
+            Whether a chunked prefill should keep tile pages for the primary (:meth:`run` hands them to
+            it only; a call that falls back reads the caches).
+        """
+        carries = getattr(self.primary, "carries_tile_pages", None)
+        return bool(carries(q, k_cache, batch, copy_bytes)) if callable(carries) else False
+
     def run(
         self,
         q: torch.Tensor,

@@ -149,3 +149,37 @@ def copies_fit(needed: int, device: torch.device) -> bool:
     if needed <= MAX_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
         return True
     return needed <= MAX_MEMORY_SHARE * repack_headroom_bytes(device)
+
+
+def should_carry_tile_pages(page_size: int, kv_tile: int, copy_bytes: int, device: torch.device) -> bool:
+    """Whether a chunked prefill keeps one request's K/V in tile pages across its chunks.
+
+    The carried copy (:mod:`fpv2.serving.chunked_tile_pages`) writes only the tokens each chunk adds,
+    where the per-call copy of :func:`should_repack` rewrites the whole prefix every chunk; so it costs
+    less than the per-call copy wherever that one was measured to pay, and ``auto`` makes it for every
+    page size that is not a multiple of ``kv_tile`` when ``copy_bytes`` (the whole prompt's two copies,
+    held until the prefill ends) fit :data:`MAX_MEMORY_SHARE` of the memory at hand.
+    ``FPV2_HOPPER_REPACK`` applies as to the per-call copy: ``0`` never, ``1`` always.
+
+    Args:
+        page_size: the cache's tokens per page.
+        kv_tile: the kernel's KV tile (pages that are a multiple of it are read as they are).
+        copy_bytes: bytes of the two copies of the whole prompt.
+        device: the cache's device.
+
+    Returns:
+        True when the copy is carried.
+
+    Raises:
+        ValueError: an unknown ``FPV2_HOPPER_REPACK``.
+        ImportError: ``FPV2_HOPPER_REPACK=1`` without Triton installed.
+    """
+    mode = repack_mode()
+    if page_size % kv_tile == 0 or mode == "0":
+        return False
+    has_triton = importlib.util.find_spec("triton") is not None
+    if mode == "1":
+        if not has_triton:
+            raise ImportError(f"{REPACK_ENV}=1: the tile repack is a Triton kernel; install triton")
+        return True
+    return has_triton and copies_fit(copy_bytes, device)

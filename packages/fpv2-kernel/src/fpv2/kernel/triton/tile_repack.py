@@ -232,8 +232,72 @@ def repack_to_tile_pages(
         ValueError: shapes or strides the copy cannot read, caches on another device than the batch, or
             ``tokens_per_program`` not a power of two dividing 128.
     """
-    if tokens_per_program <= 0 or TILE_TOKENS % tokens_per_program or tokens_per_program & (tokens_per_program - 1):
-        raise ValueError(f"tokens_per_program must be a power of two dividing {TILE_TOKENS}; got {tokens_per_program}")
+    _check_launch(k_cache, v_cache, batch, tokens_per_program)
+    packed = allocate_tile_pages(k_cache, v_cache, batch)
+    _launch_repack(k_cache, v_cache, batch, packed, tokens_per_program, num_warps)
+    return packed
+
+
+def repack_into_tile_pages(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    k_tiles: torch.Tensor,
+    v_tiles: torch.Tensor,
+    *,
+    tokens_per_program: int = TOKENS_PER_PROGRAM,
+    num_warps: int = NUM_WARPS,
+) -> TileRepacked:
+    """:func:`repack_to_tile_pages` into tile pages the caller owns.
+
+    For a copy kept across calls: a chunked prefill copies only the tokens each chunk adds, into tile
+    pages that hold the whole prompt, by passing views that start at the first page it rewrites
+    (``k_tiles[first_page:]``). Request ``b``'s page ``j`` goes to page ``first[b] + j`` of the views,
+    in batch order, as in :func:`repack_to_tile_pages`; rows past a request's KV length are zeroed.
+
+    Args:
+        k_cache: paged keys, as for :func:`repack_to_tile_pages`.
+        v_cache: paged values, same shape and dtype.
+        batch: the batch metadata.
+        k_tiles: ``(n, 128, Hkv, d)`` contiguous destination for the keys, with ``n`` at least
+            ``sum(tile_pages_per_request(batch))``; same dtype and device as ``k_cache``.
+        v_tiles: the destination for the values, same shape.
+        tokens_per_program: tokens one program copies (a power of two dividing 128).
+        num_warps: warps per program.
+
+    Returns:
+        :class:`TileRepacked` over ``k_tiles`` and ``v_tiles``.
+
+    Raises:
+        TypeError: as :func:`repack_to_tile_pages`, or destinations of another dtype.
+        ValueError: as :func:`repack_to_tile_pages`, or destinations of another shape, device or
+            layout, or with too few pages.
+    """
+    _check_launch(k_cache, v_cache, batch, tokens_per_program)
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    pages = sum(tile_pages_per_request(batch))
+    for name, tiles in (("k_tiles", k_tiles), ("v_tiles", v_tiles)):
+        if not isinstance(tiles, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(tiles).__name__}")
+        if tiles.dtype != k_cache.dtype:
+            raise TypeError(f"{name} must have the caches' dtype {k_cache.dtype}; got {tiles.dtype}")
+        if tiles.dim() != 4 or tuple(tiles.shape[1:]) != (TILE_TOKENS, num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must be (n, {TILE_TOKENS}, {num_kv_heads}, {head_dim}); got shape {tuple(tiles.shape)}"
+            )
+        if tiles.shape[0] < pages:
+            raise ValueError(f"{name} holds {tiles.shape[0]} tile pages; the batch needs {pages}")
+        if tiles.device != k_cache.device or not tiles.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {k_cache.device}; got {tiles.device}")
+    packed = TileRepacked(k_tiles, v_tiles, tile_batch(batch))
+    _launch_repack(k_cache, v_cache, batch, packed, tokens_per_program, num_warps)
+    return packed
+
+
+def _check_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch, tokens: int) -> None:
+    """The checks of a copy launch: program size, caches, and the CPU only under the interpreter."""
+    if tokens <= 0 or TILE_TOKENS % tokens or tokens & (tokens - 1):
+        raise ValueError(f"tokens_per_program must be a power of two dividing {TILE_TOKENS}; got {tokens}")
     _check_caches(k_cache, v_cache, batch)
     if k_cache.device.type == "cpu":
         if not isinstance(tile_repack_kernel, InterpretedFunction):
@@ -242,39 +306,49 @@ def repack_to_tile_pages(
                 "the CPU; got caches on the CPU"
             )
         install_interpreter_index_fix()
-    packed = allocate_tile_pages(k_cache, v_cache, batch)
+
+
+def _launch_repack(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    packed: TileRepacked,
+    tokens_per_program: int,
+    num_warps: int,
+) -> None:
+    """One launch of the copy kernel into ``packed`` (its pages and its batch's page table)."""
+    pages = sum(tile_pages_per_request(batch))
+    if pages == 0:  # no tile page has a token: the grid would be empty
+        return
     _, _, num_kv_heads, head_dim = k_cache.shape
     table = packed.batch.page_table
-    if any(batch.host.seqlens_k):  # else no tile page has a token: the grid would be empty
-        row = num_kv_heads * head_dim
-        grid = (packed.batch.num_pages, TILE_TOKENS // tokens_per_program)
-        _REPACK(
-            grid,
-            k_cache,
-            v_cache,
-            packed.k_cache,
-            packed.v_cache,
-            batch.page_table,
-            batch.page_table.stride(0),
-            batch.seqlens_k,
-            table,
-            table.stride(0),
-            batch.num_requests,
-            batch.page_size,
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
-            HEAD_DIM=head_dim,
-            ROW=row,
-            ROW_P2=triton.next_power_of_2(row),
-            TILE=TILE_TOKENS,
-            TOKENS=tokens_per_program,
-            num_warps=num_warps,
-        )
-    return packed
+    row = num_kv_heads * head_dim
+    _REPACK(
+        (pages, TILE_TOKENS // tokens_per_program),
+        k_cache,
+        v_cache,
+        packed.k_cache,
+        packed.v_cache,
+        batch.page_table,
+        batch.page_table.stride(0),
+        batch.seqlens_k,
+        table,
+        table.stride(0),
+        batch.num_requests,
+        batch.page_size,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HEAD_DIM=head_dim,
+        ROW=row,
+        ROW_P2=triton.next_power_of_2(row),
+        TILE=TILE_TOKENS,
+        TOKENS=tokens_per_program,
+        num_warps=num_warps,
+    )
 
 
 #: Key of the tile batch in a batch's instance dict (frozen dataclasses allow such entries, as ``host``).

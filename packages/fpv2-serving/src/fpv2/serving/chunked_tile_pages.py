@@ -1,0 +1,110 @@
+"""Tile pages carried across the chunks of a chunked prefill.
+
+On pages that are not a multiple of its 128-token KV tile (page size 1 is
+SGLang's default) the Hopper kernel either gathers K/V rows with cp.async or
+runs its TMA path on a copy of the call's K/V in 128-token tile pages
+(:mod:`.tile_repack_policy`). A chunk of a chunked prefill reads the whole
+prefix, so a copy made per call rewrites the prefix at every chunk: over a
+128K prompt in 8K chunks that is about 8.5 copies of the prompt, the chunk-aware
+pipeline's attention then ran 6% slower than the per-chunk pipeline's at 8%
+fewer kept blocks (H100, ``benchmarks/results/2026-12-06-h100-chunk-tile-pages``).
+
+Here the request's :class:`~.chunked_state.ChunkedPrefillState` keeps one copy
+of its whole prompt in tile pages (allocated at its first chunk, sized by
+``prompt_len``) and each chunk copies only the pages it touches: the previous
+partial page and its own. The chunk's attention reads that copy through a page
+table of the tile pages (``tile_copies`` of the backend's ``run``).
+
+Carried for one-request chunk batches whose state knows ``prompt_len``, when
+the backend says the copy pays (``carries_tile_pages``); other calls keep the
+backend's per-call rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fpv2.kernel import PagedPrefillBatch
+from fpv2.kernel.contracts import cdiv
+
+from .chunked_pooling import batch_from_host
+from .chunked_state import ChunkedPrefillState
+
+#: Tokens per tile page (the Hopper kernel's KV tile).
+TILE_TOKENS = 128
+
+
+def carried_tile_copies(
+    backend: object,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    states: Sequence[ChunkedPrefillState],
+):
+    """Bring the request's tile pages up to the chunk's KV and return them for the attention call.
+
+    Args:
+        backend: the attention backend (asked through ``carries_tile_pages`` before the first copy).
+        q: the chunk's queries.
+        k_cache: paged keys of the whole prompt (the chunk's KV already written).
+        v_cache: paged values.
+        batch: the chunk batch (one request: ``seqlens_k`` = KV length after the chunk).
+        states: the chunk's request states, in batch order.
+
+    Returns:
+        :class:`fpv2.kernel.triton.tile_repack.TileRepacked` over the state's tile pages, with a batch of
+        the chunk's query offsets and KV lengths that addresses them; None when no copy is carried.
+    """
+    if batch.num_requests != 1 or len(states) != 1 or states[0].prompt_len is None:
+        return None
+    state = states[0]
+    kv_len = batch.host.seqlens_k[0]
+    if state.tile_k is None:
+        carries = getattr(backend, "carries_tile_pages", None)
+        if not callable(carries):
+            return None
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        pages = max(cdiv(state.prompt_len, TILE_TOKENS), 1)
+        copy_bytes = 2 * pages * TILE_TOKENS * num_kv_heads * head_dim * k_cache.element_size()
+        if not carries(q, k_cache, batch, copy_bytes):
+            return None
+        shape = (pages, TILE_TOKENS, num_kv_heads, head_dim)
+        state.tile_k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+        state.tile_v = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+        state.tile_table = torch.arange(pages, dtype=torch.int32, device=k_cache.device)[None, :]
+        state.tile_tokens = 0
+    _copy_touched_pages(state, k_cache, v_cache, batch, kv_len)
+    tiles = PagedPrefillBatch(
+        cu_seqlens_q=batch.cu_seqlens_q,
+        seqlens_k=batch.seqlens_k,
+        page_table=state.tile_table,
+        page_size=TILE_TOKENS,
+        num_pages=state.tile_k.shape[0],
+        check_values=False,
+    )
+    tiles.assume_host_view(batch.host)
+    from fpv2.kernel.triton.tile_repack import TileRepacked  # imports triton: only once a copy exists
+
+    return TileRepacked(state.tile_k, state.tile_v, tiles)
+
+
+def _copy_touched_pages(
+    state: ChunkedPrefillState, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefillBatch, kv_len: int
+) -> None:
+    """Copy tile pages ``first ..`` up to ``kv_len`` tokens; earlier pages already hold their tokens."""
+    from fpv2.kernel.triton.tile_repack import repack_into_tile_pages
+
+    prefix = batch.host.prefix[0]
+    first = min(state.tile_tokens, prefix) // TILE_TOKENS  # the partial last page is copied again
+    if first * TILE_TOKENS % batch.page_size:
+        first = 0  # the first page to rewrite starts inside a cache page: copy from the start
+    start = first * TILE_TOKENS // batch.page_size
+    table = batch.page_table[:, start:] if start < batch.page_table.shape[1] else batch.page_table[:, :1]
+    touched = batch_from_host(
+        [0], [kv_len - first * TILE_TOKENS], table, page_size=batch.page_size, num_pages=batch.num_pages
+    )
+    repack_into_tile_pages(k_cache, v_cache, touched, state.tile_k[first:], state.tile_v[first:])
+    state.tile_tokens = kv_len

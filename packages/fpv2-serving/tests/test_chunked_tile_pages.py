@@ -1,0 +1,209 @@
+"""The chunk-aware pipeline keeps a request's K/V in tile pages across its chunks, copying only what each adds.
+
+CPU runs use the tile copy under the Triton interpreter (``TRITON_INTERPRET=1``) and the PyTorch reference
+attention run on the carried pages. The Hopper backend's use of them runs on the device (``test_serving_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fpv2.index import SelectionConfig
+from fpv2.kernel.testing import planted_workload
+from fpv2.serving import chunked_tile_pages
+from fpv2.serving.backends import HopperBackend, ReferenceBackend
+from fpv2.serving.chunked import ChunkedPrefillPipeline
+from fpv2.serving.fallback_backend import FallbackBackend
+from fpv2.serving.tile_repack_policy import REPACK_ENV, should_carry_tile_pages
+
+SPARSE = SelectionConfig(alpha=0.1, sink_tokens=128, window_tokens=128, min_sparse_kv_len=0)
+
+
+class CarryingBackend(ReferenceBackend):
+    """The reference backend run on the carried tile pages; checks every row it is handed against the cache."""
+
+    def __init__(self, carries: bool = True, name: str = "carrying") -> None:
+        self.name = name
+        self.carries = carries
+        self.asked_bytes: list[int] = []
+        self.received: list[object] = []
+        self.kv_lens: list[int] = []
+
+    def serves(self, q, k_cache, batch, index):
+        return None
+
+    def carries_tile_pages(self, q, k_cache, batch, copy_bytes):
+        self.asked_bytes.append(copy_bytes)
+        return self.carries
+
+    def run(self, q, k_cache, v_cache, batch, index, plan, *, tile_copies=None, **kwargs):
+        self.received.append(tile_copies)
+        if tile_copies is not None:
+            kv_len = batch.host.seqlens_k[0]
+            self.kv_lens.append(kv_len)
+            pos = torch.arange(kv_len)
+            pages = batch.page_table[0].long()[pos // batch.page_size]
+            for tiles, cache in ((tile_copies.k_cache, k_cache), (tile_copies.v_cache, v_cache)):
+                rows = tiles.reshape(-1, *tiles.shape[2:])
+                assert torch.equal(rows[:kv_len], cache[pages, pos % batch.page_size])
+                end = -(-kv_len // 128) * 128
+                assert bool((rows[kv_len:end] == 0).all())  # the last page's rows past the KV: zeros
+            k_cache, v_cache, batch = tile_copies.k_cache, tile_copies.v_cache, tile_copies.batch
+        return super().run(q, k_cache, v_cache, batch, index, plan, **kwargs)
+
+
+@pytest.fixture
+def triton_copy():
+    """The tile copy on the CPU needs the Triton interpreter."""
+    pytest.importorskip("triton")
+    from fpv2.index.triton import interpreter_enabled
+
+    if not interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 to run the tile copy on the CPU")
+
+
+@pytest.fixture
+def copied_tokens(monkeypatch):
+    """KV tokens each tile copy launch was asked to copy, in order."""
+    from fpv2.kernel.triton import tile_repack
+
+    seen: list[int] = []
+    copy = tile_repack.repack_into_tile_pages
+
+    def spy(k_cache, v_cache, batch, k_tiles, v_tiles, **kwargs):
+        seen.append(sum(batch.host.seqlens_k))
+        return copy(k_cache, v_cache, batch, k_tiles, v_tiles, **kwargs)
+
+    monkeypatch.setattr(tile_repack, "repack_into_tile_pages", spy)
+    return seen
+
+
+def _prompt(page_size: int, prefix: int = 0):
+    return planted_workload(
+        [700], [700 + prefix], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size, dtype=torch.float32
+    )
+
+
+@pytest.mark.parametrize(("page_size", "chunk", "prefix"), [(1, 200, 0), (16, 256, 0), (48, 200, 0), (1, 300, 130)])
+def test_chunks_run_on_carried_pages_and_give_the_same_output(triton_copy, copied_tokens, page_size, chunk, prefix):
+    w = _prompt(page_size, prefix)
+    backend = CarryingBackend()
+    got = ChunkedPrefillPipeline(SPARSE, backend=backend).run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=chunk)
+    want = ChunkedPrefillPipeline(SPARSE, backend="reference").run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=chunk)
+    chunks = -(-700 // chunk)
+    assert len(backend.received) == chunks and all(c is not None for c in backend.received)
+    storages = {c.k_cache.data_ptr() for c in backend.received}
+    assert len(storages) == 1  # one copy of the whole prompt, kept by the request's state
+    assert backend.asked_bytes == [2 * -(-(700 + prefix) // 128) * 128 * 2 * 64 * 4]  # asked once, at the start
+    assert backend.kv_lens == [min(prefix + (i + 1) * chunk, 700 + prefix) for i in range(chunks)]
+    assert torch.equal(got.out, want.out)
+    # Each chunk copies from the page holding its first token (from 0 where that page starts inside a cache
+    # page): about the prompt once, not the prefix again at every chunk.
+    assert len(copied_tokens) == chunks and copied_tokens[0] == prefix + chunk
+    if page_size != 48:
+        assert sum(copied_tokens) <= 700 + prefix + chunks * 128
+
+
+def test_a_retried_chunk_copies_its_pages_again(triton_copy, copied_tokens):
+    w = _prompt(1)
+    backend = CarryingBackend()
+    pipe = ChunkedPrefillPipeline(SPARSE, backend=backend)
+    state = pipe.new_state(prompt_len=700)
+    whole = pipe.run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=300)
+    from fpv2.serving.chunked_pooling import batch_from_host
+
+    table = w.batch.page_table
+    for begin, end in ((0, 300), (300, 600), (300, 600), (600, 700)):  # the second chunk is run twice
+        batch = batch_from_host([end - begin], [end], table, page_size=1, num_pages=w.batch.num_pages)
+        out = pipe.run_chunk(w.q[begin:end], w.k_cache, w.v_cache, batch, [state]).result.out
+        torch.testing.assert_close(out, whole.out[begin:end], rtol=0, atol=0)
+    assert copied_tokens[-4:] == [300, 600 - 256, 600 - 256, 700 - 512]
+
+
+def test_no_pages_are_carried_when_the_backend_declines_or_cannot_say(triton_copy):
+    w = _prompt(1)
+    declining = CarryingBackend(carries=False)
+    ChunkedPrefillPipeline(SPARSE, backend=declining).run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=300)
+    assert declining.received == [None, None, None] and len(declining.asked_bytes) == 3  # asked again each chunk
+    silent = CarryingBackend()
+    silent.carries_tile_pages = None  # a backend without the method
+    ChunkedPrefillPipeline(SPARSE, backend=silent).run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=300)
+    assert silent.received == [None, None, None]
+
+
+def test_no_pages_are_carried_for_two_requests_or_an_unknown_prompt_length(triton_copy):
+    w = planted_workload(
+        [300, 200], [300, 400], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=1, dtype=torch.float32
+    )
+    backend = CarryingBackend()
+    got = ChunkedPrefillPipeline(SPARSE, backend=backend).run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=200)
+    # The first chunk holds both requests: no pages. The second only the first request: its pages from the start.
+    assert backend.received[0] is None and backend.received[1] is not None and backend.kv_lens == [300]
+    want = ChunkedPrefillPipeline(SPARSE, backend="reference").run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=200)
+    assert torch.equal(got.out, want.out)
+    one = _prompt(1)
+    pipe = ChunkedPrefillPipeline(SPARSE, backend=CarryingBackend())
+    state = pipe.new_state()  # no prompt_len: the whole prompt's pages cannot be sized
+    pipe.run_chunk(one.q, one.k_cache, one.v_cache, one.batch, [state])
+    assert pipe.backend.received == [None] and state.tile_k is None
+
+
+def test_reset_forgets_the_pages(triton_copy):
+    w = _prompt(1)
+    pipe = ChunkedPrefillPipeline(SPARSE, backend=CarryingBackend())
+    state = pipe.new_state(prompt_len=700)
+    pipe.run_chunk(w.q, w.k_cache, w.v_cache, w.batch, [state])
+    assert state.tile_k is not None and state.tile_tokens == 700
+    state.reset()
+    assert state.tile_k is None and state.tile_v is None and state.tile_table is None and state.tile_tokens == 0
+
+
+def test_the_carry_rule(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(REPACK_ENV, raising=False)
+    assert not should_carry_tile_pages(128, 128, 1 << 20, cpu)  # tile pages are read as they are
+    assert not should_carry_tile_pages(256, 128, 1 << 20, cpu)
+    assert should_carry_tile_pages(1, 128, 1 << 20, cpu) == _has_triton()  # off CUDA no memory limit applies
+    monkeypatch.setenv(REPACK_ENV, "0")
+    assert not should_carry_tile_pages(1, 128, 1 << 20, cpu)
+    monkeypatch.setenv(REPACK_ENV, "sometimes")
+    with pytest.raises(ValueError, match="FPV2_HOPPER_REPACK='sometimes'"):
+        should_carry_tile_pages(1, 128, 1 << 20, cpu)
+
+
+def test_the_carry_rule_applies_the_memory_check(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv(REPACK_ENV, raising=False)
+    asked = []
+    monkeypatch.setattr(
+        "fpv2.serving.tile_repack_policy.copies_fit", lambda needed, device: asked.append(needed) or needed < 100
+    )
+    assert should_carry_tile_pages(16, 128, 99, torch.device("cpu"))
+    assert not should_carry_tile_pages(16, 128, 100, torch.device("cpu"))
+    assert asked == [99, 100]
+    monkeypatch.setenv(REPACK_ENV, "1")  # forced: no memory check
+    assert should_carry_tile_pages(16, 128, 100, torch.device("cpu")) and asked == [99, 100]
+
+
+def test_the_hopper_backend_carries_only_calls_it_serves():
+    w = _prompt(1)
+    # CPU inputs: the kernel does not serve them, so no copy is carried for it.
+    assert HopperBackend().carries_tile_pages(w.q, w.k_cache, w.batch, 1 << 20) is False
+    primary, fallback = CarryingBackend(name="primary"), CarryingBackend(name="fallback")
+    assert FallbackBackend(primary, fallback).carries_tile_pages(w.q, w.k_cache, w.batch, 7) is True
+    assert primary.asked_bytes == [7] and fallback.asked_bytes == []
+    assert FallbackBackend(ReferenceBackend(), fallback).carries_tile_pages(w.q, w.k_cache, w.batch, 7) is False
+
+
+def test_the_module_names_its_tile():
+    pytest.importorskip("triton")
+    from fpv2.kernel.triton.tile_repack import TILE_TOKENS
+
+    assert chunked_tile_pages.TILE_TOKENS == TILE_TOKENS == HopperBackend.kv_tile
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
