@@ -101,6 +101,7 @@ def chunk_rows(result: ChunkedPrefillResult, group: int) -> list[dict[str, objec
     rows = []
     for chunk in result.chunks:
         host = chunk.batch.host
+        per_tile = chunk.index.offsets.diff().float()  # kept blocks of each (tile, KV head) segment
         rows.append(
             {
                 "q_len": sum(host.q_lens),
@@ -109,6 +110,8 @@ def chunk_rows(result: ChunkedPrefillResult, group: int) -> list[dict[str, objec
                 "kept_pairs": chunk.kept_pairs,
                 "visible_pairs": chunk.visible_pairs,
                 "dense_tiles": chunk.dense_tiles,
+                "kept_max": int(per_tile.max()),
+                "kept_mean": float(per_tile.mean()),
                 "stage_index_ms": chunk.timings.index_ms,
                 "stage_attention_ms": chunk.timings.attention_ms,
             }
@@ -150,6 +153,7 @@ def main() -> None:
     header = f"{'chunk':>5} {'kv_len':>7} {'tiles':>6}"
     for mode in MODES:
         header += f" | {mode:>14} {'kept':>6} {'density':>7} {'index':>6} {'attn':>6} {'replay':>6}"
+    header += " | aware kept max/mean"
     print(header)
     for i, naive_row in enumerate(runs["naive"][0]):
         line = f"{i:>5} {naive_row['kv_len']:>7} {naive_row['tiles']:>6}"
@@ -161,7 +165,8 @@ def main() -> None:
                 f" | {'':>14} {row['kept_pairs']:>6} {density:>7.4f} {row['stage_index_ms']:>6.3f}"
                 f" {row['stage_attention_ms']:>6.3f} {row['replay_ms']:>6.3f}"
             )
-        print(line)
+        aware = runs["aware"][0][i]
+        print(f"{line} | {aware['kept_max']:>6} / {aware['kept_mean']:.1f}")
     for mode in MODES:
         rows = runs[mode][0]
         kept = sum(r["kept_pairs"] for r in rows)
