@@ -1,4 +1,5 @@
-"""The Triton kernel's kept-block work order (``FPV2_TRITON_WORK_ORDER``): the permutation, and the same output."""
+"""The Triton kernel's kept-block work order: the permutation, the automatic rule, the even-call check, and the
+same output."""
 
 from __future__ import annotations
 
@@ -18,11 +19,16 @@ from fpv2.kernel import CorrectionPlan
 from fpv2.kernel.reference import pool_blocks
 from fpv2.kernel.triton import BLOCK_M, sparse_attention_triton
 from fpv2.kernel.triton.work_order import (
+    DEFAULT_EVEN_RATIO,
+    EVEN_RATIO_ENV,
     WORK_BUCKETS,
     WORK_ORDER_ENV,
+    bucket_floors,
+    even_ratio,
     segment_work_order,
+    use_work_order,
     work_buckets,
-    work_order_requested,
+    work_order_mode,
 )
 
 
@@ -60,12 +66,64 @@ def test_the_order_is_a_permutation_heaviest_bucket_first_then_last_segment_firs
 
 def test_the_switch_is_checked(monkeypatch):
     monkeypatch.delenv(WORK_ORDER_ENV, raising=False)
-    assert not work_order_requested()
+    assert work_order_mode() == "auto"
     monkeypatch.setenv(WORK_ORDER_ENV, "1")
-    assert work_order_requested()
+    assert work_order_mode() == "1"
     monkeypatch.setenv(WORK_ORDER_ENV, "yes")
     with pytest.raises(ValueError, match="FPV2_TRITON_WORK_ORDER=yes: expected 0 or 1"):
-        work_order_requested()
+        work_order_mode()
+
+
+def test_by_default_calls_with_a_cached_prefix_and_more_programs_than_sms_are_ordered(monkeypatch):
+    monkeypatch.delenv(WORK_ORDER_ENV, raising=False)
+    cpu = torch.device("cpu")
+    assert use_work_order([100, 50], [100, 300], 8, cpu)  # the second request follows a prefix
+    assert not use_work_order([100, 50], [100, 50], 8, cpu)  # fresh requests keep the decoded order
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert not use_work_order([100], [300], sms, torch.device("cuda", 0))  # one wave: nothing to order
+        assert use_work_order([100], [300], sms + 1, torch.device("cuda", 0))
+    monkeypatch.setenv(WORK_ORDER_ENV, "0")
+    assert not use_work_order([100], [300], 8, cpu)
+    monkeypatch.setenv(WORK_ORDER_ENV, "1")
+    assert use_work_order([100], [100], 8, cpu)
+
+
+def test_bucket_floors_invert_the_buckets():
+    counts = torch.arange(1, 70000)
+    floors = bucket_floors(work_buckets(counts))
+    assert (floors <= counts).all() and (work_buckets(floors) == work_buckets(counts)).all()
+    assert bucket_floors(torch.tensor([0, 1, 3, 4, 5, 6, 7, 8])).tolist() == [0, 1, 2, 3, 4, 6, 8, 12]
+
+
+def _offsets(kept: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(kept.numel() + 1, dtype=torch.int32)
+    offsets[1:] = kept.cumsum(0)
+    return offsets
+
+
+def test_an_even_call_keeps_the_decoded_order_and_a_heavy_segment_is_still_sorted_first():
+    generator = torch.Generator().manual_seed(5)
+    kept = torch.randint(10, 30, (500,), generator=generator)  # no segment 8x the mean: even
+    decoded = list(range(499, -1, -1))
+    assert segment_work_order(_offsets(kept), 500, even_ratio=8).tolist() == decoded
+    assert segment_work_order(_offsets(kept), 500, even_ratio=8, reverse=False).tolist() == list(range(500))
+    assert segment_work_order(_offsets(kept), 500).tolist() != decoded  # ratio 0: always sorted
+    kept[123] = 1024  # a dense-tail segment
+    order = segment_work_order(_offsets(kept), 500, even_ratio=8)
+    assert order[0].item() == 123 and order.tolist() != decoded
+    assert segment_work_order(_offsets(torch.zeros(4, dtype=torch.int64)), 4, even_ratio=8).tolist() == [3, 2, 1, 0]
+
+
+def test_the_even_ratio_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(EVEN_RATIO_ENV, raising=False)
+    assert even_ratio() == DEFAULT_EVEN_RATIO
+    monkeypatch.setenv(EVEN_RATIO_ENV, "16")
+    assert even_ratio() == 16
+    for bad in ("-1", "x", "2000"):
+        monkeypatch.setenv(EVEN_RATIO_ENV, bad)
+        with pytest.raises(ValueError, match=f"FPV2_TRITON_ORDER_EVEN_RATIO={bad}: expected an integer"):
+            even_ratio()
 
 
 @pytest.mark.parametrize("correction", [False, True])
@@ -115,8 +173,8 @@ def test_the_kernel_reads_the_permutation(paged_case, hand_index, device, monkey
     index, _ = hand_index(case.batch, num_kv_heads=2, group=2, tile_size=BLOCK_M, block_size=16,
                           keep=lambda segment: list(segment.kept))  # fmt: skip
 
-    def repeating(offsets, num_segments):
-        order = segment_work_order(offsets, num_segments)
+    def repeating(offsets, num_segments, **kwargs):
+        order = segment_work_order(offsets, num_segments, **kwargs)
         order[-1] = order[0]
         return order
 

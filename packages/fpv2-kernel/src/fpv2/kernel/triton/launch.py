@@ -7,8 +7,8 @@ the cumulative tile counts (no host sync for it); its KV head, tile, prefix and
 lengths it derives itself from the batch metadata. The grid size ``S`` is a
 host value: it comes from the index's shape, or in dense mode from the batch's
 cached host view. Programs run in segment order (last to first, ``reverse_grid``),
-or with ``FPV2_TRITON_WORK_ORDER=1`` heaviest first (:mod:`.work_order`, opt-in
-until it is timed).
+or heaviest first (:mod:`.work_order`: by default chunks after a cached prefix;
+``FPV2_TRITON_WORK_ORDER`` overrides).
 
 Host syncs: the input validation reads the batch's small index arrays once
 (cached on the batch); ``BlockIndex.check_compatible`` reads the index once per
@@ -52,7 +52,7 @@ from .sparse_attention import (
 )
 from .todo_words import segment_requests, todo_words
 from .tuning import LaunchConfig, launch_config
-from .work_order import segment_work_order, work_order_requested
+from .work_order import even_ratio, segment_work_order, use_work_order
 
 #: Packed query rows per program: the kernel's query tile, which must equal the index tile size.
 BLOCK_M = TILE_SIZE
@@ -182,7 +182,7 @@ def sparse_attention_triton(
     if num_segments == 0:
         return (out, lse) if return_lse else out
     seg_request = segment_requests(tile_offsets, shapes.num_kv_heads, num_segments)
-    ordered = index is not None and work_order_requested()
+    ordered = index is not None and use_work_order(batch.host.q_lens, batch.host.seqlens_k, num_segments, q.device)
 
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=q.device)
     dummy_f32 = torch.zeros(1, dtype=torch.float32, device=q.device)
@@ -221,7 +221,9 @@ def sparse_attention_triton(
         batch.seqlens_k,
         batch.page_table,
         seg_request,
-        segment_work_order(index.offsets, num_segments) if ordered else dummy_i32,
+        segment_work_order(index.offsets, num_segments, even_ratio=even_ratio(), reverse=config.reverse_grid)
+        if ordered
+        else dummy_i32,
         tile_offsets,
         index.offsets if index is not None else dummy_i32,
         index.blocks if index is not None and index.blocks.numel() > 0 else dummy_i32,
