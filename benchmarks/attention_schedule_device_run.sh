@@ -60,16 +60,12 @@
 #                                                      per-chunk and the chunk-aware pipelines, its stage time in the
 #                                                      eager run and its replayed launch; under the default and under
 #                                                      the decoded order (both switches 0), one process each
-#   benchmarks/attention_schedule_device_run.sh even-order  with CAND_BIN built with experiments/even-order.patch:
-#                                                      --env-sets FPV2_HOPPER_ORDER_EVEN_RATIO 0 / 8 / 16 (the work
-#                                                      order keeps the decoded order when no tile's work reaches
-#                                                      that many times the mean) on chunks after prefixes with and
-#                                                      without the dense tail, and the 128K call (the queue: unchanged)
 #   benchmarks/attention_schedule_device_run.sh triton-even  the Triton kernel's automatic work order: --env-sets
 #                                                      FPV2_TRITON_WORK_ORDER=0 against the rule (unset) with
-#                                                      FPV2_TRITON_ORDER_EVEN_RATIO 0 / 8 / 16 (Triton backend, mean
-#                                                      correction): chunks after prefixes with and without the dense
-#                                                      tail, and fresh 8K (the rule leaves it decoded)
+#                                                      FPV2_TRITON_ORDER_LIGHT_BLOCKS 0 (every segment sorted) and
+#                                                      unset (64) (Triton backend, mean correction): chunks after
+#                                                      prefixes with and without the dense tail, and fresh 8K (the
+#                                                      rule leaves it decoded)
 #   benchmarks/attention_schedule_device_run.sh suites  the kernel and serving packages' GPU suites (the serving
 #                                                      soak left out)
 #   benchmarks/attention_schedule_device_run.sh chunk-profile  the locked-clock ncu of `order-profile` for the 16K
@@ -219,16 +215,19 @@
 # the per-call copies, ~0.4 ms of H100 time per 128K of KV, 8.5 prompts' worth: 16.2 -> 12.5-13.5 ms, below the
 # per-chunk pipeline's 15.2 (its dense tails); its index stage gains the carried copies (~16 x 0.03 ms). The
 # chunk-aware whole prefill (`chunked`, default schedule) 21.7 -> 18.5-19.5 ms; per-chunk and unchunked rows unchanged.
-# Prediction for `even-order` (34th session, before it ran): without the dense tail a chunk's heaviest tile keeps a
-# few times the mean (sink, window, diagonal and a threshold's spread), with it the whole span (~35x the mean after
-# 112K): ratio 8 and 16 keep the decoded order for the former, -0.5 to -2% against ratio 0 (the order's measured
-# cost), and sort the latter as before (within 1%). 128K runs the queue, which ignores the ratio: within noise.
+# `even-order` (34th session, removed with its experiments/even-order.patch): the Hopper scatter kernel kept the
+# decoded order when no tile's work reached 8 or 16 times the mean. Predicted -0.5 to -2% on chunks without the
+# dense tail, measured within +-1% of ratio 0 on all six shapes (H100, results/2026-12-06-h100-chunk-tile-pages/):
+# rejected.
 # Measured (`triton-order`, 34th session, an H100): with the dense tail 16K after 112K -30.8%, 8K after 56K -28.1%,
 # 4 x (8K after 56K) -15.8%; fresh 8K +9.6%, 32K -5.7%, 128K -0.6%; 16K after 112K without the tail +6.3%. The
 # chunks gain >= 10%, so the order is now the Triton default for calls with a cached prefix (work_order.py).
-# Prediction for `triton-even` (before it ran): the rule with ratio 0 as `triton-order`'s order (chunks with the
-# tail -15 to -31%, without +3 to +8%); ratio 8 and 16 the same for chunks with the tail (+-1%) and within 1% of
-# the decoded order without it; fresh 8K the same in all four (the rule leaves it decoded).
+# First `triton-even` (an even-call check by FPV2_TRITON_ORDER_EVEN_RATIO, predicted to leave chunks without the
+# tail decoded): the rule's full sort -31.6 / -6.9% with the tail, +4.8 / +14.1% without; ratios 8 and 16 never
+# kept the decoded order and cost ~0.15 ms of small kernels more (+8.7 / +22.7%): removed. Replaced by the light
+# bound: segments keeping fewer than 64 blocks keep the decoded order after the heavy ones (no extra kernel).
+# Prediction for `triton-even` with the light bound (before it ran): with the tail within 2% of the full sort
+# (the dense-tail segments still first), without it within 2% of the decoded order; fresh 8K equal in all three.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
 # and `chunk-attention` [default decoded]; OUT.
@@ -403,23 +402,9 @@ if [ "$PART" = chunk-attention ]; then
   done
 fi
 
-if [ "$PART" = even-order ]; then
-  sets=("FPV2_HOPPER_ORDER_EVEN_RATIO=0" "FPV2_HOPPER_ORDER_EVEN_RATIO=8" "FPV2_HOPPER_ORDER_EVEN_RATIO=16")
-  for shape in "16384 1 114688 0" "8192 1 57344 0" "8192 1 122880 0" "16384 1 114688 1" "2048 1 129024 1" \
-    "131072 1 0 1"; do
-    read -r seqlen batch prefix tail <<< "$shape"
-    BIN="${CAND_BIN:-.carry/candidate}" with_packages timeout 150 python3 benchmarks/attention_switch_probe.py \
-      --env-sets "${sets[@]}" --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean --rounds 8 \
-      --calls 5 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
-      >> "$RESULTS/even-order.jsonl" 2> "$LOGS/even-order-$seqlen-$batch-$prefix-$tail.log"
-    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
-  done
-  settings_table "$RESULTS/even-order.jsonl"
-fi
-
 if [ "$PART" = triton-even ]; then
-  sets=("FPV2_TRITON_WORK_ORDER=0" "FPV2_TRITON_WORK_ORDER=:FPV2_TRITON_ORDER_EVEN_RATIO=0"
-    "FPV2_TRITON_WORK_ORDER=:FPV2_TRITON_ORDER_EVEN_RATIO=8" "FPV2_TRITON_WORK_ORDER=:FPV2_TRITON_ORDER_EVEN_RATIO=16")
+  sets=("FPV2_TRITON_WORK_ORDER=0" "FPV2_TRITON_WORK_ORDER=:FPV2_TRITON_ORDER_LIGHT_BLOCKS=0"
+    "FPV2_TRITON_WORK_ORDER=:FPV2_TRITON_ORDER_LIGHT_BLOCKS=")
   for shape in "16384 1 114688 1" "16384 1 114688 0" "8192 1 57344 0" "2048 1 129024 1" "8192 1 0 1"; do
     read -r seqlen batch prefix tail <<< "$shape"
     with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --backend triton --env-sets "${sets[@]}" \

@@ -19,12 +19,11 @@ from fpv2.kernel import CorrectionPlan
 from fpv2.kernel.reference import pool_blocks
 from fpv2.kernel.triton import BLOCK_M, sparse_attention_triton
 from fpv2.kernel.triton.work_order import (
-    DEFAULT_EVEN_RATIO,
-    EVEN_RATIO_ENV,
+    DEFAULT_LIGHT_BLOCKS,
+    LIGHT_BLOCKS_ENV,
     WORK_BUCKETS,
     WORK_ORDER_ENV,
-    bucket_floors,
-    even_ratio,
+    light_blocks,
     segment_work_order,
     use_work_order,
     work_buckets,
@@ -89,41 +88,33 @@ def test_by_default_calls_with_a_cached_prefix_and_more_programs_than_sms_are_or
     assert use_work_order([100], [100], 8, cpu)
 
 
-def test_bucket_floors_invert_the_buckets():
-    counts = torch.arange(1, 70000)
-    floors = bucket_floors(work_buckets(counts))
-    assert (floors <= counts).all() and (work_buckets(floors) == work_buckets(counts)).all()
-    assert bucket_floors(torch.tensor([0, 1, 3, 4, 5, 6, 7, 8])).tolist() == [0, 1, 2, 3, 4, 6, 8, 12]
-
-
 def _offsets(kept: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(kept.numel() + 1, dtype=torch.int32)
     offsets[1:] = kept.cumsum(0)
     return offsets
 
 
-def test_an_even_call_keeps_the_decoded_order_and_a_heavy_segment_is_still_sorted_first():
+def test_light_segments_keep_the_decoded_order_after_the_heavy_ones():
     generator = torch.Generator().manual_seed(5)
-    kept = torch.randint(10, 30, (500,), generator=generator)  # no segment 8x the mean: even
-    decoded = list(range(499, -1, -1))
-    assert segment_work_order(_offsets(kept), 500, even_ratio=8).tolist() == decoded
-    assert segment_work_order(_offsets(kept), 500, even_ratio=8, reverse=False).tolist() == list(range(500))
-    assert segment_work_order(_offsets(kept), 500).tolist() != decoded  # ratio 0: always sorted
-    kept[123] = 1024  # a dense-tail segment
-    order = segment_work_order(_offsets(kept), 500, even_ratio=8)
-    assert order[0].item() == 123 and order.tolist() != decoded
-    assert segment_work_order(_offsets(torch.zeros(4, dtype=torch.int64)), 4, even_ratio=8).tolist() == [3, 2, 1, 0]
+    kept = torch.randint(10, 60, (500,), generator=generator)  # no dense tail: every segment light
+    decoded = list(range(499, -1, -1))  # the kernel's reversed grid
+    assert segment_work_order(_offsets(kept), 500, light=64).tolist() == decoded
+    assert segment_work_order(_offsets(kept), 500).tolist() != decoded  # light=0: every segment by its bucket
+    kept[[17, 123, 300]] = torch.tensor([1024, 80, 1024])  # two dense-tail segments and one above the bound
+    order = segment_work_order(_offsets(kept), 500, light=64).tolist()
+    assert order[:3] == [300, 17, 123]  # heaviest bucket first, within it the decoded order
+    assert order[3:] == [s for s in decoded if s not in (17, 123, 300)]
 
 
-def test_the_even_ratio_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(EVEN_RATIO_ENV, raising=False)
-    assert even_ratio() == DEFAULT_EVEN_RATIO
-    monkeypatch.setenv(EVEN_RATIO_ENV, "16")
-    assert even_ratio() == 16
-    for bad in ("-1", "x", "2000"):
-        monkeypatch.setenv(EVEN_RATIO_ENV, bad)
-        with pytest.raises(ValueError, match=f"FPV2_TRITON_ORDER_EVEN_RATIO={bad}: expected an integer"):
-            even_ratio()
+def test_the_light_bound_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(LIGHT_BLOCKS_ENV, raising=False)
+    assert light_blocks() == DEFAULT_LIGHT_BLOCKS
+    monkeypatch.setenv(LIGHT_BLOCKS_ENV, "0")
+    assert light_blocks() == 0
+    for bad in ("-1", "x", str((1 << 20) + 1)):
+        monkeypatch.setenv(LIGHT_BLOCKS_ENV, bad)
+        with pytest.raises(ValueError, match=f"FPV2_TRITON_ORDER_LIGHT_BLOCKS={bad}: expected an integer"):
+            light_blocks()
 
 
 @pytest.mark.parametrize("correction", [False, True])

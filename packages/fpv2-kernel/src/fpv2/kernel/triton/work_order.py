@@ -10,12 +10,12 @@ kernel's buckets), heaviest first, and within a bucket last to first (the revers
 the segments of one KV head together for L2). One ``torch.argsort`` on the device; no host sync.
 
 Measured on an H100 (``benchmarks/results/2026-12-06-h100-chunk-tile-pages/``, the planted pipeline's
-attention launch, mean correction, in one process): chunks after a prefix with their dense tail -15.8 to -30.8%,
-fresh 32K -5.7%, 128K -0.6%, but fresh 8K +9.6% and a chunk without a dense tail +6.3%. So by default
-(``FPV2_TRITON_WORK_ORDER`` unset, :func:`use_work_order`) calls with a cached prefix and more segments than SMs
-sort, as the Hopper kernel's default schedule does, and a call whose heaviest segment keeps fewer than
-``FPV2_TRITON_ORDER_EVEN_RATIO`` times the mean (:func:`even_ratio`) keeps the decoded order: there the sort
-only separates the segments that share blocks.
+attention launch, mean correction, in one process): with the full bucket sort, chunks after a prefix with their
+dense tail -15.8 to -31.6%, fresh 32K -5.7%, 128K -0.6%, but fresh 8K +9.6% and chunks without a dense tail
+(the chunk-aware pipeline's middle chunks) +4.8 to +14.1%: there the sort only separates the segments of one KV
+head, which share blocks in L2. So by default (``FPV2_TRITON_WORK_ORDER`` unset, :func:`use_work_order`) calls
+with a cached prefix and more segments than SMs are ordered, fresh calls are not, and only segments that keep at
+least :func:`light_blocks` blocks are sorted (heaviest first); the others follow in the decoded order.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 
 #: Environment switch of the work order: "1" on, "0" off; unset or "": :func:`use_work_order`'s rule.
 WORK_ORDER_ENV = "FPV2_TRITON_WORK_ORDER"
-#: Environment override of :data:`DEFAULT_EVEN_RATIO` (an integer, 0 = always sort).
-EVEN_RATIO_ENV = "FPV2_TRITON_ORDER_EVEN_RATIO"
-#: A call keeps the decoded order when its heaviest segment's bucket floor is below this many times the mean
-#: bucket floor of its segments (0: always sort).
-DEFAULT_EVEN_RATIO = 0
+#: Environment override of :data:`DEFAULT_LIGHT_BLOCKS` (an integer, 0 = sort every segment by its bucket).
+LIGHT_BLOCKS_ENV = "FPV2_TRITON_ORDER_LIGHT_BLOCKS"
+#: Segments that keep fewer blocks than this keep the decoded order, after the heavier ones (a dense-tail segment
+#: keeps its whole span: 64 blocks after an 8K prefix; the planted workload's others keep 11-30 on average).
+DEFAULT_LIGHT_BLOCKS = 64
 #: Buckets of work, as ``kWorkBuckets`` of csrc/hopper/work_order.hpp (the last one holds 2^15 blocks and more).
 WORK_BUCKETS = 32
 
@@ -75,17 +75,17 @@ def use_work_order(q_lens: list[int], seqlens_k: list[int], num_segments: int, d
     return num_segments > sms
 
 
-def even_ratio() -> int:
-    """The even-call ratio: ``FPV2_TRITON_ORDER_EVEN_RATIO`` if set, else :data:`DEFAULT_EVEN_RATIO`.
+def light_blocks() -> int:
+    """The light-segment bound: ``FPV2_TRITON_ORDER_LIGHT_BLOCKS`` if set, else :data:`DEFAULT_LIGHT_BLOCKS`.
 
     Raises:
-        ValueError: the variable is not an integer in 0..1024.
+        ValueError: the variable is not an integer in 0..2^20.
     """
-    value = os.environ.get(EVEN_RATIO_ENV, "")
+    value = os.environ.get(LIGHT_BLOCKS_ENV, "")
     if value == "":
-        return DEFAULT_EVEN_RATIO
-    if not value.isdigit() or int(value) > 1024:
-        raise ValueError(f"environment {EVEN_RATIO_ENV}={value}: expected an integer in 0..1024")
+        return DEFAULT_LIGHT_BLOCKS
+    if not value.isdigit() or int(value) > 1 << 20:
+        raise ValueError(f"environment {LIGHT_BLOCKS_ENV}={value}: expected an integer in 0..{1 << 20}")
     return int(value)
 
 
@@ -104,47 +104,22 @@ def work_buckets(kept: torch.Tensor) -> torch.Tensor:
     return torch.where(kept > 0, bucket.clamp(max=WORK_BUCKETS - 1), torch.zeros_like(bucket))
 
 
-def bucket_floors(buckets: torch.Tensor) -> torch.Tensor:
-    """Fewest kept blocks of each bucket (:func:`work_buckets`' inverse floor; 0 for bucket 0).
-
-    Args:
-        buckets: int64 buckets.
-
-    Returns:
-        int64 tensor, the shape of ``buckets``.
-    """
-    e = (buckets - 1).clamp(min=0) // 2
-    half = (buckets - 1).clamp(min=0) % 2
-    floor = torch.bitwise_left_shift(torch.ones_like(e), e) + torch.where(
-        e > 0, torch.bitwise_left_shift(half, (e - 1).clamp(min=0)), torch.zeros_like(e)
-    )
-    return torch.where(buckets > 0, floor, torch.zeros_like(floor))
-
-
-def segment_work_order(
-    offsets: torch.Tensor, num_segments: int, *, even_ratio: int = 0, reverse: bool = True
-) -> torch.Tensor:
+def segment_work_order(offsets: torch.Tensor, num_segments: int, *, light: int = 0) -> torch.Tensor:
     """The grid's permutation: program ``i`` computes segment ``order[i]``.
 
     Args:
         offsets: the block index's CSR offsets, ``(S + 1,) int32`` (``BlockIndex.offsets``).
         num_segments: ``S``.
-        even_ratio: keep the decoded order when the heaviest segment's bucket floor is below this many times
-            the mean floor of the segments that keep blocks (decided on the device; 0: always sort).
-        reverse: the decoded order runs the segments last to first (the kernel's ``reverse_grid``).
+        light: segments that keep fewer blocks share the lowest place (0: every segment by its bucket).
 
     Returns:
         ``(S,) int32`` on the offsets' device: segments by decreasing bucket of kept blocks, and within a bucket
-        by decreasing segment id; or the decoded order for an even call.
+        (the light segments' included) by decreasing segment id, the decoded order of the kernel's reversed grid.
     """
     kept = offsets[1 : num_segments + 1] - offsets[:num_segments]
     segment = torch.arange(num_segments, device=offsets.device, dtype=torch.int64)
     buckets = work_buckets(kept)
+    if light > 0:
+        buckets = torch.where(kept >= light, buckets, torch.zeros_like(buckets))
     key = buckets * num_segments + segment  # unique: the order is deterministic
-    order = torch.argsort(key, descending=True)
-    if even_ratio > 0:
-        floors = bucket_floors(buckets)
-        tiles = (buckets > 0).sum()
-        even = (tiles > 0) & (floors.max() * tiles < even_ratio * floors.sum())  # a device scalar: no sync
-        order = torch.where(even, segment.flip(0) if reverse else segment, order)
-    return order.to(torch.int32)
+    return torch.argsort(key, descending=True).to(torch.int32)
