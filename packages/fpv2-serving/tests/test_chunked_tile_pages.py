@@ -149,12 +149,21 @@ def test_no_pages_are_carried_for_two_requests_or_an_unknown_prompt_length(trito
     assert pipe.backend.received == [None] and state.tile_k is None
 
 
-def test_reset_forgets_the_pages(triton_copy):
+def test_the_pages_are_released_after_the_last_chunk_and_by_reset(triton_copy):
+    from fpv2.serving.chunked_pooling import batch_from_host
+
     w = _prompt(1)
     pipe = ChunkedPrefillPipeline(SPARSE, backend=CarryingBackend())
     state = pipe.new_state(prompt_len=700)
-    pipe.run_chunk(w.q, w.k_cache, w.v_cache, w.batch, [state])
-    assert state.tile_k is not None and state.tile_tokens == 700
+    first = batch_from_host([400], [400], w.batch.page_table, page_size=1, num_pages=w.batch.num_pages)
+    pipe.run_chunk(w.q[:400], w.k_cache, w.v_cache, first, [state])
+    assert state.tile_k is not None and state.tile_tokens == 400 and state.tile_k.shape[0] == 6
+    last = batch_from_host([300], [700], w.batch.page_table, page_size=1, num_pages=w.batch.num_pages)
+    pipe.run_chunk(w.q[400:], w.k_cache, w.v_cache, last, [state])
+    assert pipe.backend.kv_lens == [400, 700]  # the last chunk ran on the pages, then they were dropped
+    assert state.tile_k is None and state.tile_v is None and state.tile_table is None and state.tile_tokens == 0
+    pipe.run_chunk(w.q[:400], w.k_cache, w.v_cache, first, [state])  # a new prefill of the same request
+    assert state.tile_k is not None
     state.reset()
     assert state.tile_k is None and state.tile_v is None and state.tile_table is None and state.tile_tokens == 0
 

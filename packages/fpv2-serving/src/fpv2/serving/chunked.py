@@ -39,7 +39,7 @@ from .backends import AUTO, AttentionBackend, output_dtype
 from .chunked_pooling import batch_from_host, pool_chunk
 from .chunked_selection import select_chunk_blocks
 from .chunked_state import ChunkedPrefillState
-from .chunked_tile_pages import carried_tile_copies
+from .chunked_tile_pages import carried_tile_copies, release_finished_tile_pages
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline, is_builtin_strategy
 from .timing import StageClock, StageTimings
 from .transfer import device_ints
@@ -332,6 +332,7 @@ class ChunkedPrefillPipeline:
             **descales,
             **copies,
         )
+        release_finished_tile_pages(states)
         clock.mark("attention")
         result = PrefillResult(out=out, index=index, plan=plan, statistics=statistics, clock=clock)
         return ChunkResult(result, batch, pooled, dense)

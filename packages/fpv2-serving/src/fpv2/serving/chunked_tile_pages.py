@@ -13,7 +13,9 @@ Here the request's :class:`~.chunked_state.ChunkedPrefillState` keeps one copy
 of its whole prompt in tile pages (allocated at its first chunk, sized by
 ``prompt_len``) and each chunk copies only the pages it touches: the previous
 partial page and its own. The chunk's attention reads that copy through a page
-table of the tile pages (``tile_copies`` of the backend's ``run``).
+table of the tile pages (``tile_copies`` of the backend's ``run``). The pages
+are released once the prompt's last chunk has been launched
+(:func:`release_finished_tile_pages`).
 
 Carried for one-request chunk batches whose state knows ``prompt_len``, when
 the backend says the copy pays (``carries_tile_pages``); other calls keep the
@@ -23,6 +25,7 @@ backend's per-call rule.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +34,9 @@ from fpv2.kernel.contracts import cdiv
 
 from .chunked_pooling import batch_from_host
 from .chunked_state import ChunkedPrefillState
+
+if TYPE_CHECKING:
+    from fpv2.kernel.triton.tile_repack import TileRepacked
 
 #: Tokens per tile page (the Hopper kernel's KV tile).
 TILE_TOKENS = 128
@@ -43,7 +49,7 @@ def carried_tile_copies(
     v_cache: torch.Tensor,
     batch: PagedPrefillBatch,
     states: Sequence[ChunkedPrefillState],
-):
+) -> TileRepacked | None:
     """Bring the request's tile pages up to the chunk's KV and return them for the attention call.
 
     Args:
@@ -108,3 +114,18 @@ def _copy_touched_pages(
     )
     repack_into_tile_pages(k_cache, v_cache, touched, state.tile_k[first:], state.tile_v[first:])
     state.tile_tokens = kv_len
+
+
+def release_finished_tile_pages(states: Sequence[ChunkedPrefillState]) -> None:
+    """Drop the tile pages of states whose whole prompt has been prefilled (called after the chunk's launch).
+
+    The attention call that read them is queued on the current stream, which the caching allocator orders
+    the memory's reuse after. A retried last chunk copies the prompt again.
+
+    Args:
+        states: the chunk's request states.
+    """
+    for state in states:
+        if state.tile_k is not None and state.prompt_len is not None and state.tile_tokens >= state.prompt_len:
+            state.tile_k = state.tile_v = state.tile_table = None
+            state.tile_tokens = 0
