@@ -14,8 +14,10 @@ attention launch, mean correction, in one process): with the full bucket sort, c
 dense tail -15.8 to -31.6%, fresh 32K -5.7%, 128K -0.6%, but fresh 8K +9.6% and chunks without a dense tail
 (the chunk-aware pipeline's middle chunks) +4.8 to +14.1%: there the sort only separates the segments of one KV
 head, which share blocks in L2. So by default (``FPV2_TRITON_WORK_ORDER`` unset, :func:`use_work_order`) calls
-with a cached prefix and more segments than SMs are ordered, fresh calls are not, and only segments that keep at
-least :func:`light_blocks` blocks are sorted (heaviest first); the others follow in the decoded order.
+with a cached prefix and more segments than SMs are ordered and fresh calls are not. With
+``FPV2_TRITON_ORDER_LIGHT_BLOCKS=N`` (:func:`light_blocks`) only segments that keep at least ``N`` blocks are
+sorted (heaviest first) and the others follow in the decoded order, which leaves a chunk without a dense tail in
+the decoded order; not yet timed, so the default sorts every segment (0), as measured.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import torch
 WORK_ORDER_ENV = "FPV2_TRITON_WORK_ORDER"
 #: Environment override of :data:`DEFAULT_LIGHT_BLOCKS` (an integer, 0 = sort every segment by its bucket).
 LIGHT_BLOCKS_ENV = "FPV2_TRITON_ORDER_LIGHT_BLOCKS"
-#: Segments that keep fewer blocks than this keep the decoded order, after the heavier ones (a dense-tail segment
-#: keeps its whole span: 64 blocks after an 8K prefix; the planted workload's others keep 11-30 on average).
-DEFAULT_LIGHT_BLOCKS = 64
+#: Segments that keep fewer blocks than this keep the decoded order, after the heavier ones (0: none). A dense-tail
+#: segment keeps its whole span (64 blocks after an 8K prefix), the planted workload's others 11-30 on average:
+#: 64 is the value to time (``benchmarks/attention_schedule_device_run.sh triton-even``).
+DEFAULT_LIGHT_BLOCKS = 0
 #: Buckets of work, as ``kWorkBuckets`` of csrc/hopper/work_order.hpp (the last one holds 2^15 blocks and more).
 WORK_BUCKETS = 32
 
