@@ -30,22 +30,28 @@ from fpv2.kernel.testing import planted_workload
 from fpv2.serving.pipeline import SparsePrefillPipeline
 
 
-def recorded_attention_call(pipe: SparsePrefillPipeline, workload) -> tuple[Callable, tuple, dict]:
-    """Runs ``pipe`` once on ``workload``; returns its backend's ``run`` and the arguments of its attention call."""
-    backend = pipe.backend
-    seen: dict[str, object] = {}
+def recorded_backend_calls(backend, fn: Callable[[], object]) -> tuple[object, list[tuple[Callable, tuple, dict]]]:
+    """Runs ``fn`` with ``backend.run`` recorded; returns its result and every call as (run, args, kwargs)."""
     run = backend.run
+    calls: list[tuple[Callable, tuple, dict]] = []
 
     def recording_run(*args, **kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
+        calls.append((run, args, kwargs))
         return run(*args, **kwargs)
 
     backend.run = recording_run
     try:
-        pipe(workload.q, workload.k_cache, workload.v_cache, workload.batch)
+        result = fn()
     finally:
         backend.run = run
-    return run, seen["args"], seen["kwargs"]
+    return result, calls
+
+
+def recorded_attention_call(pipe: SparsePrefillPipeline, workload) -> tuple[Callable, tuple, dict]:
+    """Runs ``pipe`` once on ``workload``; returns its backend's ``run`` and the arguments of its attention call."""
+    _, calls = recorded_backend_calls(pipe.backend, lambda: pipe(workload.q, workload.k_cache, workload.v_cache,
+                                                                  workload.batch))  # fmt: skip
+    return calls[-1]
 
 
 def captured_launch(pipe: SparsePrefillPipeline, workload):

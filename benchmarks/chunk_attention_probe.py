@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from attention_switch_probe import recorded_backend_calls, timed  # this folder, first on sys.path as a script
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel.contracts import num_query_tiles
@@ -63,37 +64,21 @@ def parse_args() -> argparse.Namespace:
 
 def recorded_chunks(pipe: ChunkedPrefillPipeline, workload, chunk: int) -> tuple[ChunkedPrefillResult, list]:
     """Runs ``pipe`` once; returns its result and each chunk's attention call as (run, args, kwargs)."""
-    backend = pipe.backend
-    run = backend.run
-    calls: list[tuple[Callable, tuple, dict]] = []
-
-    def recording_run(*args, **kwargs):
-        calls.append((run, args, kwargs))
-        return run(*args, **kwargs)
-
-    backend.run = recording_run
-    try:
-        result = pipe.run(workload.q, workload.k_cache, workload.v_cache, workload.batch, chunk_size=chunk)
-    finally:
-        backend.run = run
-    return result, calls
+    return recorded_backend_calls(
+        pipe.backend,
+        lambda: pipe.run(workload.q, workload.k_cache, workload.v_cache, workload.batch, chunk_size=chunk),
+    )
 
 
 def replay_ms(call: tuple[Callable, tuple, dict], calls: int, device: torch.device) -> float:
-    """Milliseconds per launch of ``calls`` replays of one recorded attention call."""
+    """Milliseconds per launch of ``calls`` replays of one recorded attention call (wall time off CUDA)."""
     run, args, kwargs = call
-    if device.type != "cuda":
-        begin = time.perf_counter()
-        for _ in range(calls):
-            run(*args, **kwargs)
-        return (time.perf_counter() - begin) * 1e3 / calls
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if device.type == "cuda":
+        return timed(lambda: run(*args, **kwargs), calls)
+    begin = time.perf_counter()
     for _ in range(calls):
         run(*args, **kwargs)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    return (time.perf_counter() - begin) * 1e3 / calls
 
 
 def chunk_rows(result: ChunkedPrefillResult, group: int) -> list[dict[str, object]]:
@@ -101,7 +86,8 @@ def chunk_rows(result: ChunkedPrefillResult, group: int) -> list[dict[str, objec
     rows = []
     for chunk in result.chunks:
         host = chunk.batch.host
-        per_tile = chunk.index.offsets.diff().float()  # kept blocks of each (tile, KV head) segment
+        segments = chunk.index.num_segments
+        per_tile = chunk.index.offsets[: segments + 1].diff().float()  # kept blocks of each (tile, KV head)
         rows.append(
             {
                 "q_len": sum(host.q_lens),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fpv2.kernel import PagedPrefillBatch
-from fpv2.kernel.contracts import cdiv
+from fpv2.kernel.contracts import BLOCK_SIZE, cdiv
 
 from .chunked_pooling import batch_from_host
 from .chunked_state import ChunkedPrefillState
@@ -38,8 +38,8 @@ from .chunked_state import ChunkedPrefillState
 if TYPE_CHECKING:
     from fpv2.kernel.triton.tile_repack import TileRepacked
 
-#: Tokens per tile page (the Hopper kernel's KV tile).
-TILE_TOKENS = 128
+#: Tokens per tile page: the Hopper kernel's KV tile, the contracts' key block (``tile_repack.TILE_TOKENS``).
+TILE_TOKENS = BLOCK_SIZE
 
 
 def carried_tile_copies(

@@ -111,15 +111,11 @@ def should_repack(
         mode = repack_mode()
     elif mode not in _MODES:
         raise ValueError(f"repack mode must be one of {', '.join(map(repr, _MODES))}; got {mode!r}")
-    if (kernel_reads_pages and batch.page_size % kv_tile == 0) or mode == "0":
+    if kernel_reads_pages and batch.page_size % kv_tile == 0:
         return False
-    has_triton = importlib.util.find_spec("triton") is not None
-    if mode == "1":
-        if not has_triton:
-            raise ImportError(f"{REPACK_ENV}=1: the tile repack is a Triton kernel; install triton")
-        return True
-    if not has_triton:
-        return False
+    verdict = _mode_verdict(mode)
+    if verdict is not None:
+        return verdict
     host = batch.host
     if host.cu_seqlens_q[-1] < MIN_QUERY_SHARE * sum(host.seqlens_k):
         return False
@@ -174,12 +170,20 @@ def should_carry_tile_pages(page_size: int, kv_tile: int, copy_bytes: int, devic
         ValueError: an unknown ``FPV2_HOPPER_REPACK``.
         ImportError: ``FPV2_HOPPER_REPACK=1`` without Triton installed.
     """
-    mode = repack_mode()
-    if page_size % kv_tile == 0 or mode == "0":
+    if page_size % kv_tile == 0:
+        return False
+    verdict = _mode_verdict(repack_mode())
+    return verdict if verdict is not None else copies_fit(copy_bytes, device)
+
+
+def _mode_verdict(mode: str) -> bool | None:
+    """What the mode decides alone: ``0`` never, ``1`` always (Triton required), ``auto`` without Triton never;
+    None when ``auto``'s rule decides."""
+    if mode == "0":
         return False
     has_triton = importlib.util.find_spec("triton") is not None
     if mode == "1":
         if not has_triton:
             raise ImportError(f"{REPACK_ENV}=1: the tile repack is a Triton kernel; install triton")
         return True
-    return has_triton and copies_fit(copy_bytes, device)
+    return None if has_triton else False
