@@ -30,6 +30,10 @@
 # - record (on an H200, with the scoring kernel of 942a90e): 128K host-ahead 12.95-13.15 ms (the 26th session's
 #   13.248 less the scoring kernel's ~0.16 ms, within the spread between processes), 4 x 128K 54.0-54.4 (54.875
 #   less ~0.6). 4 x 128K stays above 50.
+# - record (35th session, on an H200, with the library of 79a5df6: the 33rd session's default tile schedule,
+#   -5.5 to -6.0% of the attention at 128K and -1.6% at 4 x 128K on H100 rows): 128K host-ahead 12.6-12.8 ms (the
+#   32nd session's H200 13.27-13.30 less ~0.65), 4 x 128K 53.0-54.3 (53.9-55.1 less ~0.8). 128K meets 13;
+#   4 x 128K stays above 50.
 # - scoring-candidate with score-empty-barriers.patch: the step's __syncthreads held 10.2% of the
 #   scoring kernel's stall samples (lines profile, before the keys by TMA). Without it a warp waits only for its
 #   keys (full barrier), and thread 0 before a refill only for every warp's previous product, not its reduction;
