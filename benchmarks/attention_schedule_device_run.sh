@@ -232,8 +232,15 @@
 # order as decoded, plus the order's own small kernels, part of the full sort's +4.8 / +14.1%); fresh 8K equal in
 # all three. If so, 64 becomes DEFAULT_LIGHT_BLOCKS.
 #
+# Prediction for `chunked` with SETTINGS="unfused default" (35th session, before it ran): the chunk's pooling launch
+# now fills the carried tile pages (`FPV2_CHUNKED_FUSED_TILE_COPY`, default 1; `unfused` = 0, the 34th session's
+# separate copy). Per chunk it saves a launch of ~25 us of GPU time and its host work (a touched batch, a
+# non-blocking copy of its lengths, the launch), and the pooling kernel writes the chunk's tokens once more
+# (+5-10 us). Chunk-aware whole prefill (128K in 8K chunks, eager wall): -0.5 to -2 ms of ~20.7 (-2 to -10%); the
+# naive and unchunked rows unchanged (no carried pages there). `chunk-attention` replays unchanged (the attention
+# reads the same pages).
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
-# and `chunk-attention` [default decoded]; OUT.
+# and `chunk-attention` [default decoded; also unfused]; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
@@ -358,6 +365,7 @@ if [ "$PART" = chunked ]; then
   for setting in ${SETTINGS:-default decoded}; do
     (
       [ "$setting" = decoded ] && export FPV2_HOPPER_PERSISTENT=0 FPV2_HOPPER_WORK_ORDER=0
+      [ "$setting" = unfused ] && export FPV2_CHUNKED_FUSED_TILE_COPY=0
       with_packages timeout 200 python3 benchmarks/chunked_prefill.py --chunks 8192 --backend hopper --no-error \
         --repeats 5 --warmup 2 --out "$RESULTS/chunked-$setting" > "$LOGS/chunked-$setting.log" 2>&1
       echo "chunked prefill ($setting): rc=$?"
@@ -396,6 +404,7 @@ if [ "$PART" = chunk-attention ]; then
   for setting in ${SETTINGS:-default decoded}; do
     assignments=()
     [ "$setting" = decoded ] && assignments=(FPV2_HOPPER_PERSISTENT=0 FPV2_HOPPER_WORK_ORDER=0)
+    [ "$setting" = unfused ] && assignments=(FPV2_CHUNKED_FUSED_TILE_COPY=0)
     env "${assignments[@]}" PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" \
       FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" timeout 240 python3 benchmarks/chunk_attention_probe.py \
       --seqlen 131072 --chunk 8192 --rounds 5 --calls 3 --out "$RESULTS/chunk-attention-$setting.jsonl" \

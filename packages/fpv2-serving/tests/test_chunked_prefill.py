@@ -93,7 +93,7 @@ def chunked_selection(wl, config, chunk, *, strategy="max_threshold"):
     for parts in chunk_plan(wl.batch, chunk):
         q, batch = chunk_inputs(wl, parts)
         chunk_states = [states[b] for b, _, _ in parts]
-        stats, pooled = pool_chunk(chunk_states, wl.k_cache, None, batch, block_size=config.block_size)
+        stats, pooled, _ = pool_chunk(chunk_states, wl.k_cache, None, batch, block_size=config.block_size)
         index, _ = select_chunk_blocks(q, wl.k_cache, batch, stats, chunk_states, config=config, strategy=strategy)
         index.check_compatible(batch, GROUP)
         out.append((parts, batch, index, pooled))
@@ -289,7 +289,7 @@ def test_incremental_pooling_equals_pooling_from_scratch(page_size):
             wl.batch.num_pages,
         )
         before = state.pooled_blocks
-        stats, pooled = pool_chunk([state], wl.k_cache, wl.v_cache, batch, block_size=128)
+        stats, pooled, _ = pool_chunk([state], wl.k_cache, wl.v_cache, batch, block_size=128)
         # Only the touched blocks: the partial block the previous chunk ended in, and the new ones.
         assert pooled == state.pooled_blocks - before == cdiv(end, 128) - begin // 128
         scratch = pool_blocks(wl.k_cache, wl.v_cache, batch, block_size=128)
@@ -317,7 +317,7 @@ def test_retried_chunk_pools_its_blocks_again():
 
     chunk(0, 700)
     chunk(700, 1500)
-    batch, (stats, pooled) = chunk(700, 1500)  # the same chunk again (e.g. after a failed forward)
+    batch, (stats, pooled, _) = chunk(700, 1500)  # the same chunk again (e.g. after a failed forward)
     assert pooled == cdiv(1500, 128) - 700 // 128
     torch.testing.assert_close(stats.pooled_k, pool_blocks(wl.k_cache, None, batch).pooled_k, rtol=0, atol=1e-6)
     assert stats.pooled_v is None
@@ -471,7 +471,7 @@ def test_triton_pooling_and_selection_compose_chunk_by_chunk():
             8,
             wl.batch.num_pages,
         )
-        stats, pooled = pool_chunk([state], wl.k_cache, None, batch, block_size=128, use_triton=True)
+        stats, pooled, _ = pool_chunk([state], wl.k_cache, None, batch, block_size=128, use_triton=True)
         assert pooled == cdiv(72 + begin + 256, 128) - (72 + begin) // 128
         scratch = pool_blocks_triton(wl.k_cache, None, batch)
         torch.testing.assert_close(stats.pooled_k, scratch.pooled_k, rtol=0, atol=1e-6)

@@ -168,6 +168,100 @@ def test_the_pages_are_released_after_the_last_chunk_and_by_reset(triton_copy):
     assert state.tile_k is None and state.tile_v is None and state.tile_table is None and state.tile_tokens == 0
 
 
+@pytest.fixture
+def triton_pooling(triton_copy, monkeypatch):
+    """The chunked pipeline's pooling on the fused Triton kernel (the CUDA path), under the interpreter."""
+    monkeypatch.setattr("fpv2.serving.chunked.use_triton_index", lambda q: True)
+
+
+@pytest.mark.parametrize(("page_size", "chunk", "prefix"), [(1, 200, 0), (16, 256, 0), (1, 300, 130)])
+def test_the_pooling_launch_fills_the_carried_pages(triton_pooling, copied_tokens, page_size, chunk, prefix):
+    w = _prompt(page_size, prefix)
+    backend = CarryingBackend()  # checks every page it is handed against the cache, zeros past the KV
+    got = ChunkedPrefillPipeline(SPARSE, backend=backend).run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=chunk)
+    # The same pooling kernel without pages: same statistics, so the same index and output.
+    plain = CarryingBackend(carries=False)
+    want = ChunkedPrefillPipeline(SPARSE, backend=plain).run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=chunk)
+    chunks = -(-700 // chunk)
+    assert backend.kv_lens == [min(prefix + (i + 1) * chunk, 700 + prefix) for i in range(chunks)]
+    assert torch.equal(got.out, want.out)
+    assert copied_tokens == []  # no copy launch of its own: the pooling wrote every page
+
+
+def test_the_fused_copy_can_be_turned_off(triton_pooling, copied_tokens, monkeypatch):
+    w = _prompt(1)
+    monkeypatch.setenv(chunked_tile_pages.FUSED_COPY_ENV, "0")
+    backend = CarryingBackend()
+    got = ChunkedPrefillPipeline(SPARSE, backend=backend).run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=300)
+    assert backend.kv_lens == [300, 600, 700] and copied_tokens == [300, 600 - 256, 700 - 512]
+    monkeypatch.setenv(chunked_tile_pages.FUSED_COPY_ENV, "1")
+    fused = ChunkedPrefillPipeline(SPARSE, backend=CarryingBackend()).run(
+        w.q, w.k_cache, w.v_cache, w.batch, chunk_size=300
+    )
+    assert torch.equal(got.out, fused.out) and len(copied_tokens) == 3
+    monkeypatch.setenv(chunked_tile_pages.FUSED_COPY_ENV, "yes")
+    pipe = ChunkedPrefillPipeline(SPARSE, backend=CarryingBackend())
+    with pytest.raises(ValueError, match="FPV2_CHUNKED_FUSED_TILE_COPY must be 0 or 1; got 'yes'"):
+        pipe.run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=300)
+
+
+def test_the_pooling_copy_leaves_the_state_table_and_other_pages_alone(triton_copy):
+    from fpv2.serving.chunked_pooling import batch_from_host, pool_chunk
+
+    w = _prompt(1)
+    state = ChunkedPrefillPipeline(SPARSE).new_state(prompt_len=700)
+    assert chunked_tile_pages.reserve_tile_pages(CarryingBackend(), w.q, w.k_cache, w.batch, [state])
+    state.tile_k.fill_(7.0)
+    state.tile_v.fill_(7.0)
+    table = w.batch.page_table
+    first = batch_from_host([300], [300], table, page_size=1, num_pages=w.batch.num_pages)
+    stats = pool_chunk([state], w.k_cache, w.v_cache, first, block_size=128, use_triton=True, copy_tile_pages=True)
+    assert stats.tile_pages_copied and state.tile_tokens == 300
+    assert torch.equal(state.tile_table, torch.arange(6, dtype=torch.int32)[None, :])  # the kernel's table is scratch
+    rows_k = state.tile_k.reshape(-1, *state.tile_k.shape[2:])
+    assert torch.equal(rows_k[:300], w.k_cache[table[0, :300].long(), 0])
+    assert bool((rows_k[300:384] == 0).all()) and bool((rows_k[384:] == 7).all())  # pages past the chunk: untouched
+    # The next chunk starts inside page 2 (token 300): the pooling re-pools block 2 and rewrites pages 2.. only.
+    state.tile_k[:2].fill_(5.0)
+    second = batch_from_host([300], [600], table, page_size=1, num_pages=w.batch.num_pages)
+    stats = pool_chunk([state], w.k_cache, w.v_cache, second, block_size=128, use_triton=True, copy_tile_pages=True)
+    assert stats.tile_pages_copied and state.tile_tokens == 600
+    assert bool((rows_k[:256] == 5).all())
+    assert torch.equal(rows_k[256:600], w.k_cache[table[0, 256:600].long(), 0])
+    rows_v = state.tile_v.reshape(-1, *state.tile_v.shape[2:])
+    assert torch.equal(rows_v[256:600], w.v_cache[table[0, 256:600].long(), 0])
+
+
+def test_the_pooling_leaves_the_copy_to_its_own_launch_where_it_cannot_make_it(triton_copy, copied_tokens):
+    from fpv2.serving.chunked_pooling import batch_from_host, pool_chunk
+
+    def reserved(page_size: int):
+        w = _prompt(page_size)
+        state = ChunkedPrefillPipeline(SPARSE).new_state(prompt_len=700)
+        chunked_tile_pages.reserve_tile_pages(CarryingBackend(), w.q, w.k_cache, w.batch, [state])
+        batch = batch_from_host([300], [300], w.batch.page_table, page_size=page_size, num_pages=w.batch.num_pages)
+        return w, state, batch
+
+    w, state, batch = reserved(1)
+    kw = {"block_size": 128, "copy_tile_pages": True}
+    assert not pool_chunk([state], w.k_cache, w.v_cache, batch, use_triton=False, **kw).tile_pages_copied  # reference
+    w, state, batch = reserved(1)
+    assert not pool_chunk([state], w.k_cache, None, batch, use_triton=True, **kw).tile_pages_copied  # keys only
+    w, state, batch = reserved(1)
+    assert not pool_chunk([state], w.k_cache, w.v_cache, batch, use_triton=True, block_size=128).tile_pages_copied
+    assert state.tile_tokens == 0
+    # Its pages behind the pooled blocks (a state pooled without them): the copy is its own launch.
+    w, state, batch = reserved(1)
+    pool_chunk([state], w.k_cache, w.v_cache, batch, use_triton=True, block_size=128)
+    later = batch_from_host([300], [600], w.batch.page_table, page_size=1, num_pages=w.batch.num_pages)
+    assert not pool_chunk([state], w.k_cache, w.v_cache, later, use_triton=True, **kw).tile_pages_copied
+    copies = chunked_tile_pages.carried_tile_copies(CarryingBackend(), w.q, w.k_cache, w.v_cache, later, [state])
+    assert copies is not None and copied_tokens == [600] and state.tile_tokens == 600
+    with pytest.raises(RuntimeError, match="fill the tile pages up to 700 tokens; they hold 600"):
+        end = batch_from_host([100], [700], w.batch.page_table, page_size=1, num_pages=w.batch.num_pages)
+        chunked_tile_pages.carried_tile_copies(CarryingBackend(), w.q, w.k_cache, w.v_cache, end, [state], copied=True)
+
+
 def test_the_carry_rule(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(REPACK_ENV, raising=False)

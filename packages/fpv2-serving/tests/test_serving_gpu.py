@@ -128,8 +128,21 @@ def test_hopper_chunks_run_on_the_carried_tile_pages(monkeypatch, page_size):
         return out
 
     monkeypatch.setattr(pipeline.backend, "run", recording_run)
+    from fpv2.kernel.triton import tile_repack
+
+    own_copies = []
+    copy = tile_repack.repack_into_tile_pages
+    monkeypatch.setattr(
+        tile_repack, "repack_into_tile_pages", lambda *args, **kwargs: own_copies.append(1) or copy(*args, **kwargs)
+    )
     got = pipeline.run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=1024)
     assert layouts == [("tile-repack", True)] * 6
+    assert own_copies == []  # every chunk's pooling launch filled its pages
+    # The copy in a launch of its own: the same pages, so the same bits.
+    monkeypatch.setenv("FPV2_CHUNKED_FUSED_TILE_COPY", "0")
+    unfused = ChunkedPrefillPipeline(config, backend="hopper").run(w.q, w.k_cache, w.v_cache, w.batch, chunk_size=1024)
+    assert len(own_copies) == 6 and torch.equal(got.out, unfused.out)
+    monkeypatch.delenv("FPV2_CHUNKED_FUSED_TILE_COPY")
     # Without the carried pages each chunk copies its whole KV (forced): the same tile rows, so the same bits.
     monkeypatch.setattr(HopperBackend, "carries_tile_pages", lambda self, *args: False)
     monkeypatch.setenv("FPV2_HOPPER_REPACK", "1")

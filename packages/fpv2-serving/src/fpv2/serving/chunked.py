@@ -36,10 +36,10 @@ from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefil
 from fpv2.kernel.contracts import num_key_blocks, num_query_tiles
 
 from .backends import AUTO, AttentionBackend, output_dtype
-from .chunked_pooling import batch_from_host, pool_chunk
+from .chunked_pooling import batch_from_host, check_chunk_states, pool_chunk
 from .chunked_selection import select_chunk_blocks
 from .chunked_state import ChunkedPrefillState
-from .chunked_tile_pages import carried_tile_copies, release_finished_tile_pages
+from .chunked_tile_pages import carried_tile_copies, fused_tile_copy, release_finished_tile_pages, reserve_tile_pages
 from .pipeline import DENSE_STRATEGY, PrefillResult, SparsePrefillPipeline, is_builtin_strategy
 from .timing import StageClock, StageTimings
 from .transfer import device_ints
@@ -281,10 +281,15 @@ class ChunkedPrefillPipeline:
         shapes = validate_prefill_inputs(q, k_cache, v_cache, batch, **descales)
         clock = StageClock(q.device)
         clock.mark("start")
+        check_chunk_states(states, batch, self.config.block_size)
         statistics: BlockStatistics | None = None
         pooled = 0
+        # Small pages: the request's K/V in tile pages, each chunk copying only what it adds (the backend's
+        # per-call rule otherwise); allocated first so that the pooling launch fills them when it can.
+        carries = reserve_tile_pages(self.backend, q, k_cache, batch, states)
+        tiles_copied = False
         if self.correction or self.strategy != DENSE_STRATEGY:
-            statistics, pooled = pool_chunk(
+            statistics, pooled, tiles_copied = pool_chunk(
                 states,
                 k_cache,
                 v_cache if self.correction else None,
@@ -293,10 +298,8 @@ class ChunkedPrefillPipeline:
                 k_descale=k_descale,
                 v_descale=v_descale if self.correction else None,
                 use_triton=use_triton_index(q),
+                copy_tile_pages=carries and fused_tile_copy(),
             )
-        else:
-            for state, prefix, q_len in zip(states, batch.host.prefix, batch.host.q_lens):
-                state.check_chunk(prefix, q_len)
         index, dense = select_chunk_blocks(
             q,
             k_cache,
@@ -311,9 +314,13 @@ class ChunkedPrefillPipeline:
         if not self._plain.check_index and is_builtin_strategy(self.strategy):
             # Built here from this chunk batch (a built-in strategy, or the dense rule): no device re-check.
             index.assume_compatible(batch, shapes.group)
-        # Small pages: the request's K/V in tile pages, each chunk copying only what it adds (None: the
-        # backend's per-call rule). Counted with the index stage, as the pipeline's copy made while pooling.
-        tile_copies = carried_tile_copies(self.backend, q, k_cache, v_cache, batch, states)
+        # The rest of the carried copy when the pooling could not make it: counted with the index stage, as
+        # the pipeline's copy made while pooling.
+        tile_copies = (
+            carried_tile_copies(self.backend, q, k_cache, v_cache, batch, states, copied=tiles_copied)
+            if carries
+            else None
+        )
         clock.mark("index")
         plan = None
         if self.correction:

@@ -20,15 +20,21 @@ block's mean depends only on its own tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from fpv2.kernel.contracts import BlockStatistics, HostBatchView, PagedPrefillBatch, num_key_blocks
+from fpv2.kernel.contracts import BLOCK_SIZE, BlockStatistics, HostBatchView, PagedPrefillBatch, num_key_blocks
 from fpv2.kernel.reference.pooling import pool_blocks, pool_request
 
 from .chunked_state import ChunkedPrefillState
 from .transfer import device_ints
+
+if TYPE_CHECKING:
+    from fpv2.kernel.triton.tile_repack import TileRepacked
+
+#: Tokens per carried tile page: the Hopper kernel's KV tile, the contracts' key block.
+TILE_TOKENS = BLOCK_SIZE
 
 
 class ChunkStatistics(NamedTuple):
@@ -37,10 +43,13 @@ class ChunkStatistics(NamedTuple):
     Attributes:
         statistics: pooled K (and V) of every block of every request of the chunk batch.
         pooled_blocks: blocks actually pooled for this chunk (touched blocks, all requests).
+        tile_pages_copied: the pooling kernel also filled the request's carried tile pages up to the
+            chunk's KV length (``copy_tile_pages``).
     """
 
     statistics: BlockStatistics
     pooled_blocks: int
+    tile_pages_copied: bool = False
 
 
 def batch_from_host(
@@ -97,8 +106,13 @@ def _pool_touched_paged(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
     use_triton: bool,
+    tile_state: ChunkedPrefillState | None = None,
 ) -> BlockStatistics:
-    """Pool blocks ``first_blocks[b] ..`` of every request through a page table advanced to them."""
+    """Pool blocks ``first_blocks[b] ..`` of every request through a page table advanced to them.
+
+    With ``tile_state`` (one request, the Triton kernel, ``block_size`` = 128) the same launch copies the
+    touched blocks' tokens into that state's tile pages ``first_blocks[0] ..``.
+    """
     host = batch.host
     page_size = batch.page_size
     first_pages = [j * block_size // page_size for j in first_blocks]
@@ -120,10 +134,41 @@ def _pool_touched_paged(
     if use_triton:
         from fpv2.index.triton import pool_blocks_triton  # imports triton: only on the fast path
 
+        tiles = _tile_pages_target(tile_state, touched, first_blocks[0]) if tile_state is not None else None
         return pool_blocks_triton(
-            k_cache, v_cache, touched, block_size=block_size, k_descale=k_descale, v_descale=v_descale
+            k_cache,
+            v_cache,
+            touched,
+            block_size=block_size,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            tile_copies=tiles,
         )
     return pool_blocks(k_cache, v_cache, touched, block_size=block_size, k_descale=k_descale, v_descale=v_descale)
+
+
+def _tile_pages_target(state: ChunkedPrefillState, touched: PagedPrefillBatch, first_block: int) -> TileRepacked:
+    """The state's tile pages ``first_block ..`` as the pooling kernel's copy target for the touched batch.
+
+    The kernel writes touched block ``i`` to tile page ``i`` of the target and ``i`` into the target's page
+    table: the pages are a view of the state's (page ``first_block + i``), the table a scratch row (the
+    state's own table maps page ``j`` to ``j`` and is not rewritten).
+    """
+    from fpv2.kernel.triton.tile_repack import TileRepacked  # imports triton: only on the fast path
+
+    pages = num_key_blocks(touched.host.seqlens_k[0], TILE_TOKENS)
+    rows = slice(first_block, first_block + pages)
+    scratch = torch.empty((1, pages), dtype=torch.int32, device=touched.device)
+    target = PagedPrefillBatch(
+        cu_seqlens_q=touched.cu_seqlens_q,
+        seqlens_k=touched.seqlens_k,
+        page_table=scratch,
+        page_size=TILE_TOKENS,
+        num_pages=pages,
+        check_values=False,
+    )
+    target.assume_host_view(touched.host)
+    return TileRepacked(state.tile_k[rows], state.tile_v[rows], target)
 
 
 def _pool_touched_gather(
@@ -154,6 +199,7 @@ def pool_chunk(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     use_triton: bool = False,
+    copy_tile_pages: bool = False,
 ) -> ChunkStatistics:
     """Pool the blocks the chunk batch touches, store them in the states, return the batch's statistics.
 
@@ -166,37 +212,36 @@ def pool_chunk(
         k_descale: ``(B, Hkv) float32`` FP8 key descales, or None.
         v_descale: ``(B, Hkv) float32`` FP8 value descales, or None.
         use_triton: pool with the fused Triton kernel (CUDA, or the Triton interpreter).
+        copy_tile_pages: also fill the request's carried tile pages
+            (:func:`~.chunked_tile_pages.reserve_tile_pages`) in the pooling launch, when it can: one
+            request with pages, values pooled, the Triton kernel, 128-token blocks, and pooling that starts
+            where the pages' copy must (the same partial block). Else nothing is copied here.
 
     Returns:
         :class:`ChunkStatistics`: statistics of every block of every request of
         the batch (views of the state's buffers for a one-request batch, a
-        concatenation otherwise) and the number of blocks pooled.
+        concatenation otherwise), the number of blocks pooled and whether the
+        tile pages were filled.
 
     Raises:
         TypeError: ``states`` holds something other than :class:`ChunkedPrefillState`.
         ValueError: wrong number of states, a state with another block size, or a
             chunk that does not belong to its state's prefill.
     """
-    if len(states) != batch.num_requests:
-        raise ValueError(
-            f"states must hold one ChunkedPrefillState per request ({batch.num_requests}); got {len(states)}"
-        )
-    for b, state in enumerate(states):
-        if not isinstance(state, ChunkedPrefillState):
-            raise TypeError(f"states[{b}] must be a ChunkedPrefillState, got {type(state).__name__}")
-        if state.block_size != block_size:
-            raise ValueError(f"states[{b}] pools blocks of {state.block_size} tokens, the selection uses {block_size}")
+    check_chunk_states(states, batch, block_size)
     host = batch.host
-    for state, prefix, q_len in zip(states, host.prefix, host.q_lens):
-        state.check_chunk(prefix, q_len)
     first_blocks = [s.first_touched_block(p) for s, p in zip(states, host.prefix)]
     end_blocks = [num_key_blocks(kv, block_size) for kv in host.seqlens_k]
     pooled_blocks = sum(e - f for f, e in zip(first_blocks, end_blocks))
+    paged = all(j * block_size % batch.page_size == 0 for j in first_blocks)
+    tile_state = None
+    if copy_tile_pages and paged and pooled_blocks and use_triton and v_cache is not None:
+        tile_state = _fusable_tile_state(states, first_blocks[0], host.prefix[0], block_size)
 
     if pooled_blocks == 0:  # nothing to pool in any request (empty chunks ending on block boundaries)
         for b, state in enumerate(states):
             state.store(first_blocks[b], k_cache.new_zeros(0, *k_cache.shape[2:]), None, None, host.seqlens_k[b])
-    elif all(j * block_size % batch.page_size == 0 for j in first_blocks):
+    elif paged:
         touched = _pool_touched_paged(
             k_cache,
             v_cache,
@@ -206,7 +251,10 @@ def pool_chunk(
             k_descale=k_descale,
             v_descale=v_descale,
             use_triton=use_triton,
+            tile_state=tile_state,
         )
+        if tile_state is not None:
+            tile_state.tile_tokens = host.seqlens_k[0]
         offsets = [0]
         for f, e in zip(first_blocks, end_blocks):
             offsets.append(offsets[-1] + e - f)
@@ -223,7 +271,46 @@ def pool_chunk(
             if v_cache is not None:
                 pv = _pool_touched_gather(v_cache, batch, b, first_blocks[b], block_size, v_descale)[0]
             state.store(first_blocks[b], pk, pv, lengths, host.seqlens_k[b])
-    return ChunkStatistics(batch_statistics(states, batch, block_size), pooled_blocks)
+    return ChunkStatistics(batch_statistics(states, batch, block_size), pooled_blocks, tile_state is not None)
+
+
+def check_chunk_states(states: Sequence[ChunkedPrefillState], batch: PagedPrefillBatch, block_size: int) -> None:
+    """Check that ``states`` holds one state per request of the chunk batch, each owning its request's chunk.
+
+    Args:
+        states: the chunk's request states, in batch order.
+        batch: the chunk batch.
+        block_size: tokens per block of the selection.
+
+    Raises:
+        TypeError: ``states`` holds something other than :class:`ChunkedPrefillState`.
+        ValueError: wrong number of states, a state with another block size, or a
+            chunk that does not belong to its state's prefill.
+    """
+    if len(states) != batch.num_requests:
+        raise ValueError(
+            f"states must hold one ChunkedPrefillState per request ({batch.num_requests}); got {len(states)}"
+        )
+    for b, state in enumerate(states):
+        if not isinstance(state, ChunkedPrefillState):
+            raise TypeError(f"states[{b}] must be a ChunkedPrefillState, got {type(state).__name__}")
+        if state.block_size != block_size:
+            raise ValueError(f"states[{b}] pools blocks of {state.block_size} tokens, the selection uses {block_size}")
+    for state, prefix, q_len in zip(states, batch.host.prefix, batch.host.q_lens):
+        state.check_chunk(prefix, q_len)
+
+
+def _fusable_tile_state(
+    states: Sequence[ChunkedPrefillState], first_block: int, prefix: int, block_size: int
+) -> ChunkedPrefillState | None:
+    """The one state whose tile pages the pooling launch can fill: its copy starts at the pooling's first block."""
+    if len(states) != 1 or block_size != TILE_TOKENS:
+        return None
+    state = states[0]
+    if state.tile_k is None or state.tile_v is None:
+        return None
+    # The carried copy rewrites from the page holding the first token it lacks (the partial page included).
+    return state if min(state.tile_tokens, prefix) // TILE_TOKENS == first_block else None
 
 
 def batch_statistics(

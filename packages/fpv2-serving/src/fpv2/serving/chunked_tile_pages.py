@@ -19,27 +19,91 @@ are released once the prompt's last chunk has been launched
 
 Carried for one-request chunk batches whose state knows ``prompt_len``, when
 the backend says the copy pays (``carries_tile_pages``); other calls keep the
-backend's per-call rule.
+backend's per-call rule. The pages are allocated before the chunk's pooling
+(:func:`reserve_tile_pages`) so that the fused Triton pooling kernel fills the
+pages the chunk touches in its own launch, reading the chunk's tokens once;
+where it cannot (the reference pooling, page sizes it gathers from), the copy is
+a launch of its own.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from fpv2.kernel import PagedPrefillBatch
-from fpv2.kernel.contracts import BLOCK_SIZE, cdiv
+from fpv2.kernel.contracts import cdiv
 
-from .chunked_pooling import batch_from_host
+from .chunked_pooling import TILE_TOKENS, batch_from_host
 from .chunked_state import ChunkedPrefillState
 
 if TYPE_CHECKING:
     from fpv2.kernel.triton.tile_repack import TileRepacked
 
-#: Tokens per tile page: the Hopper kernel's KV tile, the contracts' key block (``tile_repack.TILE_TOKENS``).
-TILE_TOKENS = BLOCK_SIZE
+
+#: ``0`` leaves the carried copy to a launch of its own, ``1`` (the default) lets the pooling launch make it.
+FUSED_COPY_ENV = "FPV2_CHUNKED_FUSED_TILE_COPY"
+
+
+def fused_tile_copy() -> bool:
+    """Whether the chunk's pooling launch fills the carried tile pages (``FPV2_CHUNKED_FUSED_TILE_COPY``).
+
+    Returns:
+        False for ``0``, True for ``1`` or unset.
+
+    Raises:
+        ValueError: any other value, naming the variable.
+    """
+    value = os.environ.get(FUSED_COPY_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_COPY_ENV} must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def reserve_tile_pages(
+    backend: object,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    batch: PagedPrefillBatch,
+    states: Sequence[ChunkedPrefillState],
+) -> bool:
+    """Allocate the request's tile pages at its first chunk when the backend says they pay.
+
+    Called before the chunk's pooling, so that the pooling kernel can fill the chunk's pages in the same
+    launch (:func:`fpv2.serving.chunked_pooling.pool_chunk` with ``copy_tile_pages``).
+
+    Args:
+        backend: the attention backend (asked through ``carries_tile_pages`` before the first copy).
+        q: the chunk's queries.
+        k_cache: paged keys of the whole prompt.
+        batch: the chunk batch.
+        states: the chunk's request states, in batch order.
+
+    Returns:
+        True when the chunk's request carries tile pages (allocated now or at an earlier chunk).
+    """
+    if batch.num_requests != 1 or len(states) != 1 or states[0].prompt_len is None:
+        return False
+    state = states[0]
+    if state.tile_k is not None:
+        return True
+    carries = getattr(backend, "carries_tile_pages", None)
+    if not callable(carries):
+        return False
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    pages = max(cdiv(state.prompt_len, TILE_TOKENS), 1)
+    copy_bytes = 2 * pages * TILE_TOKENS * num_kv_heads * head_dim * k_cache.element_size()
+    if not carries(q, k_cache, batch, copy_bytes):
+        return False
+    shape = (pages, TILE_TOKENS, num_kv_heads, head_dim)
+    state.tile_k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    state.tile_v = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    state.tile_table = torch.arange(pages, dtype=torch.int32, device=k_cache.device)[None, :]
+    state.tile_tokens = 0
+    return True
 
 
 def carried_tile_copies(
@@ -49,6 +113,8 @@ def carried_tile_copies(
     v_cache: torch.Tensor,
     batch: PagedPrefillBatch,
     states: Sequence[ChunkedPrefillState],
+    *,
+    copied: bool = False,
 ) -> TileRepacked | None:
     """Bring the request's tile pages up to the chunk's KV and return them for the attention call.
 
@@ -59,30 +125,23 @@ def carried_tile_copies(
         v_cache: paged values.
         batch: the chunk batch (one request: ``seqlens_k`` = KV length after the chunk).
         states: the chunk's request states, in batch order.
+        copied: the chunk's pooling already filled the pages it touches (``ChunkStatistics.tile_pages_copied``);
+            nothing is copied then.
 
     Returns:
         :class:`fpv2.kernel.triton.tile_repack.TileRepacked` over the state's tile pages, with a batch of
         the chunk's query offsets and KV lengths that addresses them; None when no copy is carried.
     """
-    if batch.num_requests != 1 or len(states) != 1 or states[0].prompt_len is None:
+    if not reserve_tile_pages(backend, q, k_cache, batch, states):
         return None
     state = states[0]
     kv_len = batch.host.seqlens_k[0]
-    if state.tile_k is None:
-        carries = getattr(backend, "carries_tile_pages", None)
-        if not callable(carries):
-            return None
-        _, _, num_kv_heads, head_dim = k_cache.shape
-        pages = max(cdiv(state.prompt_len, TILE_TOKENS), 1)
-        copy_bytes = 2 * pages * TILE_TOKENS * num_kv_heads * head_dim * k_cache.element_size()
-        if not carries(q, k_cache, batch, copy_bytes):
-            return None
-        shape = (pages, TILE_TOKENS, num_kv_heads, head_dim)
-        state.tile_k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
-        state.tile_v = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
-        state.tile_table = torch.arange(pages, dtype=torch.int32, device=k_cache.device)[None, :]
-        state.tile_tokens = 0
-    _copy_touched_pages(state, k_cache, v_cache, batch, kv_len)
+    if not copied:
+        _copy_touched_pages(state, k_cache, v_cache, batch, kv_len)
+    elif state.tile_tokens != kv_len:
+        raise RuntimeError(
+            f"the chunk's pooling was said to fill the tile pages up to {kv_len} tokens; they hold {state.tile_tokens}"
+        )
     tiles = PagedPrefillBatch(
         cu_seqlens_q=batch.cu_seqlens_q,
         seqlens_k=batch.seqlens_k,
