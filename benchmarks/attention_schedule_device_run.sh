@@ -66,6 +66,9 @@
 #                                                      default) and 64 (Triton backend, mean correction): chunks after
 #                                                      prefixes with and without the dense tail, and fresh 8K (the
 #                                                      rule leaves it decoded)
+#   benchmarks/attention_schedule_device_run.sh triton-order-kernel  work_order_speed.py (the one-launch order
+#                                                      against torch.argsort), then FPV2_TRITON_WORK_ORDER 0 against 1
+#                                                      on triton-even's shapes (Triton backend, mean correction)
 #   benchmarks/attention_schedule_device_run.sh suites  the kernel and serving packages' GPU suites (the serving
 #                                                      soak left out)
 #   benchmarks/attention_schedule_device_run.sh chunk-profile  the locked-clock ncu of `order-profile` for the 16K
@@ -239,6 +242,21 @@
 # (+5-10 us). Chunk-aware whole prefill (128K in 8K chunks, eager wall): -0.5 to -2 ms of ~20.7 (-2 to -10%); the
 # naive and unchunked rows unchanged (no carried pages there). `chunk-attention` replays unchanged (the attention
 # reads the same pages).
+# Measured (`chunked`, SETTINGS="unfused default", one process each, an H100): chunk-aware 25.06 ms unfused
+# (index 9.30) against 21.51 fused (index 6.60); the unchunked row moved 13.60 -> 14.35 between the two processes,
+# and the 34th session's unfused row read 20.66. Too noisy to credit: rerun A B A B.
+#
+# `triton-even` measured (35th session, an H100): the light bound 64 against the full sort: with the tail -29.9 /
+# -8.3% against -29.0 / -8.0%, without it +7.0 / +16.0% against +7.6 / +15.7%, fresh 8K -0.8 / -0.3%. Light
+# segments in the decoded order cost as much as sorted ones: the cost without a tail is building and reading the
+# order (about 0.2-0.3 ms), not the order. Light bound rejected and removed.
+#
+# Prediction for `triton-order-kernel` (before it ran): the order by one Triton launch (a counting sort over the 32
+# buckets) instead of frexp/where/argsort on 64-bit keys (a radix sort of several launches). work_order_speed: the
+# kernel <= 0.03 ms eager at 2-4K segments, the argsort 0.1-0.3 ms; equal orders. Probe, order 1 against 0: the
+# chunks without a tail +7.6 / +15.7% -> 0 to +4%; with it -29.0 / -8.0% -> -31 to -34% / -10 to -13%; fresh 8K
+# (order forced on here) +0 to +4% (the argsort order: +9.6%).
+#
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
 # and `chunk-attention` [default decoded; also unfused]; OUT.
 set -u -o pipefail
@@ -362,15 +380,18 @@ if [ "$PART" = sanitize-default ]; then
 fi
 
 if [ "$PART" = chunked ]; then
-  for setting in ${SETTINGS:-default decoded}; do
+  run=0
+  for setting in ${SETTINGS:-default decoded}; do  # a setting named twice runs twice (A B A B), numbered
+    run=$((run + 1))
     (
       [ "$setting" = decoded ] && export FPV2_HOPPER_PERSISTENT=0 FPV2_HOPPER_WORK_ORDER=0
       [ "$setting" = unfused ] && export FPV2_CHUNKED_FUSED_TILE_COPY=0
       with_packages timeout 200 python3 benchmarks/chunked_prefill.py --chunks 8192 --backend hopper --no-error \
-        --repeats 5 --warmup 2 --out "$RESULTS/chunked-$setting" > "$LOGS/chunked-$setting.log" 2>&1
-      echo "chunked prefill ($setting): rc=$?"
+        --repeats 5 --warmup 2 ${CHUNKED_ARGS:-} --out "$RESULTS/chunked-$run-$setting" \
+        > "$LOGS/chunked-$run-$setting.log" 2>&1
+      echo "chunked prefill ($run, $setting): rc=$?"
     )
-    grep -E "^\|" "$LOGS/chunked-$setting.log" | cut -c1-200
+    grep -E "^\|" "$LOGS/chunked-$run-$setting.log" | grep -E "sparse|impl" | cut -c1-200
   done
 fi
 
@@ -412,6 +433,22 @@ if [ "$PART" = chunk-attention ]; then
     echo "chunk attention probe ($setting): rc=$?"
     cat "$RESULTS/chunk-attention-$setting.txt"
   done
+fi
+
+if [ "$PART" = triton-order-kernel ]; then
+  with_packages timeout 120 python3 benchmarks/work_order_speed.py --segments 2048 4096 16384 32768 \
+    > "$RESULTS/work-order-speed.jsonl" 2> "$LOGS/work-order-speed.log"
+  echo "work order speed: rc=$?"
+  cat "$RESULTS/work-order-speed.jsonl"
+  for shape in "16384 1 114688 1" "16384 1 114688 0" "8192 1 57344 0" "2048 1 129024 1" "8192 1 0 1"; do
+    read -r seqlen batch prefix tail <<< "$shape"
+    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --switch FPV2_TRITON_WORK_ORDER \
+      --settings 0,1 --backend triton --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean \
+      --rounds 6 --calls 3 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
+      >> "$RESULTS/triton-order-kernel.jsonl" 2> "$LOGS/triton-order-kernel-$seqlen-$batch-$prefix-$tail.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
+  done
+  settings_table "$RESULTS/triton-order-kernel.jsonl"
 fi
 
 if [ "$PART" = triton-even ]; then

@@ -19,12 +19,11 @@ from fpv2.kernel import CorrectionPlan
 from fpv2.kernel.reference import pool_blocks
 from fpv2.kernel.triton import BLOCK_M, sparse_attention_triton
 from fpv2.kernel.triton.work_order import (
-    DEFAULT_LIGHT_BLOCKS,
-    LIGHT_BLOCKS_ENV,
+    ORDER_SEGMENTS,
     WORK_BUCKETS,
     WORK_ORDER_ENV,
-    light_blocks,
     segment_work_order,
+    segment_work_order_reference,
     use_work_order,
     work_buckets,
     work_order_mode,
@@ -63,6 +62,26 @@ def test_the_order_is_a_permutation_heaviest_bucket_first_then_last_segment_firs
     assert set(order[:11].tolist()) == set(range(0, 1000, 97)), "the dense-tail segments run first"
 
 
+@pytest.mark.parametrize("num_segments", [1, 2, ORDER_SEGMENTS - 1, ORDER_SEGMENTS, ORDER_SEGMENTS + 1, 1000])
+@pytest.mark.parametrize("largest", [1, 5, 300, 40_000])
+def test_the_order_kernel_gives_the_reference_order(device, num_segments, largest):
+    # A counting sort in one launch against the argsort: every bucket size, empty segments, steps of the kernel's
+    # loops cut anywhere, and a count past the last bucket.
+    generator = torch.Generator().manual_seed(num_segments * 7 + largest)
+    kept = torch.randint(0, largest, (num_segments,), generator=generator)
+    if num_segments > 8:
+        kept[::7] = 0
+        kept[3] = 2**20
+    offsets = _offsets(kept).to(device)
+    order = segment_work_order(offsets, num_segments)
+    assert order.device == offsets.device and order.dtype == torch.int32
+    assert torch.equal(order.cpu(), segment_work_order_reference(offsets, num_segments).cpu())
+
+
+def test_the_order_of_no_segments_is_empty(device):
+    assert segment_work_order(torch.zeros(1, dtype=torch.int32, device=device), 0).numel() == 0
+
+
 def test_the_switch_is_checked(monkeypatch):
     monkeypatch.delenv(WORK_ORDER_ENV, raising=False)
     assert work_order_mode() == "auto"
@@ -92,29 +111,6 @@ def _offsets(kept: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(kept.numel() + 1, dtype=torch.int32)
     offsets[1:] = kept.cumsum(0)
     return offsets
-
-
-def test_light_segments_keep_the_decoded_order_after_the_heavy_ones():
-    generator = torch.Generator().manual_seed(5)
-    kept = torch.randint(10, 60, (500,), generator=generator)  # no dense tail: every segment light
-    decoded = list(range(499, -1, -1))  # the kernel's reversed grid
-    assert segment_work_order(_offsets(kept), 500, light=64).tolist() == decoded
-    assert segment_work_order(_offsets(kept), 500).tolist() != decoded  # light=0: every segment by its bucket
-    kept[[17, 123, 300]] = torch.tensor([1024, 80, 1024])  # two dense-tail segments and one above the bound
-    order = segment_work_order(_offsets(kept), 500, light=64).tolist()
-    assert order[:3] == [300, 17, 123]  # heaviest bucket first, within it the decoded order
-    assert order[3:] == [s for s in decoded if s not in (17, 123, 300)]
-
-
-def test_the_light_bound_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(LIGHT_BLOCKS_ENV, raising=False)
-    assert light_blocks() == DEFAULT_LIGHT_BLOCKS
-    monkeypatch.setenv(LIGHT_BLOCKS_ENV, "0")
-    assert light_blocks() == 0
-    for bad in ("-1", "x", str((1 << 20) + 1)):
-        monkeypatch.setenv(LIGHT_BLOCKS_ENV, bad)
-        with pytest.raises(ValueError, match=f"FPV2_TRITON_ORDER_LIGHT_BLOCKS={bad}: expected an integer"):
-            light_blocks()
 
 
 @pytest.mark.parametrize("correction", [False, True])

@@ -52,7 +52,7 @@ from .sparse_attention import (
 )
 from .todo_words import segment_requests, todo_words
 from .tuning import LaunchConfig, launch_config
-from .work_order import light_blocks, segment_work_order, use_work_order
+from .work_order import segment_work_order, use_work_order
 
 #: Packed query rows per program: the kernel's query tile, which must equal the index tile size.
 BLOCK_M = TILE_SIZE
@@ -221,7 +221,7 @@ def sparse_attention_triton(
         batch.seqlens_k,
         batch.page_table,
         seg_request,
-        segment_work_order(index.offsets, num_segments, light=light_blocks()) if ordered else dummy_i32,
+        segment_work_order(index.offsets, num_segments) if ordered else dummy_i32,
         tile_offsets,
         index.offsets if index is not None else dummy_i32,
         index.blocks if index is not None and index.blocks.numel() > 0 else dummy_i32,

@@ -7,17 +7,18 @@ prefix one keeps ~1,000 blocks against a mean of ~27. The Hopper kernel's work o
 10-42% off its chunks after a prefix (benchmarks/results/2026-12-06-h100-default-schedule/). This is the same
 order for the Triton kernel: segments sorted by half-octave buckets of their kept-block count (the Hopper
 kernel's buckets), heaviest first, and within a bucket last to first (the reverse grid's order, which keeps
-the segments of one KV head together for L2). One ``torch.argsort`` on the device; no host sync.
+the segments of one KV head together for L2). Built by one small Triton launch (a counting sort over the
+buckets, :func:`segment_work_order`), no host sync; :func:`segment_work_order_reference` is the same order by a
+``torch.argsort``, whose radix sort of 64-bit keys took about 0.2 ms at 2-4K segments.
 
 Measured on an H100 (``benchmarks/results/2026-12-06-h100-chunk-tile-pages/``, the planted pipeline's
 attention launch, mean correction, in one process): with the full bucket sort, chunks after a prefix with their
 dense tail -15.8 to -31.6%, fresh 32K -5.7%, 128K -0.6%, but fresh 8K +9.6% and chunks without a dense tail
-(the chunk-aware pipeline's middle chunks) +4.8 to +14.1%: there the sort only separates the segments of one KV
-head, which share blocks in L2. So by default (``FPV2_TRITON_WORK_ORDER`` unset, :func:`use_work_order`) calls
-with a cached prefix and more segments than SMs are ordered and fresh calls are not. With
-``FPV2_TRITON_ORDER_LIGHT_BLOCKS=N`` (:func:`light_blocks`) only segments that keep at least ``N`` blocks are
-sorted (heaviest first) and the others follow in the decoded order, which leaves a chunk without a dense tail in
-the decoded order; not yet timed, so the default sorts every segment (0), as measured.
+(the chunk-aware pipeline's middle chunks) +4.8 to +14.1%. So by default (``FPV2_TRITON_WORK_ORDER`` unset,
+:func:`use_work_order`) calls with a cached prefix and more segments than SMs are ordered and fresh calls are not.
+Sorting only the segments that keep >= 64 blocks, which leaves such a chunk in the decoded order, cost the same
+(+7.0 / +16.0% against +7.6 / +15.7%, ``benchmarks/results/2026-12-06-h100-fused-tile-copy/``): the cost there is
+building and reading the order, not the order itself.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from .interpreter_compat import install_interpreter_index_fix
 
 #: Environment switch of the work order: "1" on, "0" off; unset or "": :func:`use_work_order`'s rule.
 WORK_ORDER_ENV = "FPV2_TRITON_WORK_ORDER"
-#: Environment override of :data:`DEFAULT_LIGHT_BLOCKS` (an integer, 0 = sort every segment by its bucket).
-LIGHT_BLOCKS_ENV = "FPV2_TRITON_ORDER_LIGHT_BLOCKS"
-#: Segments that keep fewer blocks than this keep the decoded order, after the heavier ones (0: none). A dense-tail
-#: segment keeps its whole span (64 blocks after an 8K prefix), the planted workload's others 11-30 on average:
-#: 64 is the value to time (``benchmarks/attention_schedule_device_run.sh triton-even``).
-DEFAULT_LIGHT_BLOCKS = 0
 #: Buckets of work, as ``kWorkBuckets`` of csrc/hopper/work_order.hpp (the last one holds 2^15 blocks and more).
 WORK_BUCKETS = 32
 
@@ -78,20 +78,6 @@ def use_work_order(q_lens: list[int], seqlens_k: list[int], num_segments: int, d
     return num_segments > sms
 
 
-def light_blocks() -> int:
-    """The light-segment bound: ``FPV2_TRITON_ORDER_LIGHT_BLOCKS`` if set, else :data:`DEFAULT_LIGHT_BLOCKS`.
-
-    Raises:
-        ValueError: the variable is not an integer in 0..2^20.
-    """
-    value = os.environ.get(LIGHT_BLOCKS_ENV, "")
-    if value == "":
-        return DEFAULT_LIGHT_BLOCKS
-    if not value.isdigit() or int(value) > 1 << 20:
-        raise ValueError(f"environment {LIGHT_BLOCKS_ENV}={value}: expected an integer in 0..{1 << 20}")
-    return int(value)
-
-
 def work_buckets(kept: torch.Tensor) -> torch.Tensor:
     """Half-octave bucket of each kept-block count: 0 for none, else ``1 + 2 e + h`` for ``2^e <= n < 2^(e+1)``,
     ``h`` the bit below the leading one, capped at ``WORK_BUCKETS - 1`` (``work_bucket`` of work_order.hpp).
@@ -107,22 +93,89 @@ def work_buckets(kept: torch.Tensor) -> torch.Tensor:
     return torch.where(kept > 0, bucket.clamp(max=WORK_BUCKETS - 1), torch.zeros_like(bucket))
 
 
-def segment_work_order(offsets: torch.Tensor, num_segments: int, *, light: int = 0) -> torch.Tensor:
-    """The grid's permutation: program ``i`` computes segment ``order[i]``.
+#: Segments per step of the order kernel's loops (a ``SEGMENTS x WORK_BUCKETS`` one-hot per step).
+ORDER_SEGMENTS = 256
+
+
+@triton.jit
+def _work_bucket(kept):
+    """``work_buckets`` of an int32 block of counts, in integer arithmetic."""
+    powers = tl.arange(0, 32)
+    # floor(log2 n) for n >= 1: how many of 2, 4, ..., 2^31 are <= n.
+    e = tl.sum(((kept[:, None] >> powers[None, :]) > 1).to(tl.int32), axis=1)
+    half = tl.where(e > 0, (kept >> tl.maximum(e - 1, 0)) & 1, 0)
+    bucket = tl.minimum(1 + 2 * e + half, 31)
+    return tl.where(kept > 0, bucket, 0)
+
+
+@triton.jit
+def work_order_kernel(Offsets, Order, num_segments, SEGMENTS: tl.constexpr, BUCKETS: tl.constexpr):
+    """One program: ``Order`` = segments by decreasing bucket, within a bucket by decreasing segment id.
+
+    A counting sort: the buckets' sizes give each bucket's first place (heaviest first); then the segments are
+    walked from the last, and segment ``s`` of bucket ``b`` goes to the bucket's first place plus the number of
+    later segments in ``b``.
+    """
+    lanes = tl.arange(0, SEGMENTS)
+    buckets = tl.arange(0, BUCKETS)
+    sizes = tl.zeros([BUCKETS], dtype=tl.int32)
+    for start in range(0, num_segments, SEGMENTS):
+        seg = start + lanes
+        ok = seg < num_segments
+        kept = tl.load(Offsets + seg + 1, mask=ok, other=0) - tl.load(Offsets + seg, mask=ok, other=0)
+        hot = (_work_bucket(kept)[:, None] == buckets[None, :]) & ok[:, None]
+        sizes += tl.sum(hot.to(tl.int32), axis=0)
+    # First place of bucket b: the segments of every heavier bucket.
+    first = tl.sum(tl.where(buckets[None, :] > buckets[:, None], sizes[None, :], 0), axis=1)
+    placed = tl.zeros([BUCKETS], dtype=tl.int32)  # segments of each bucket after the current step's
+    steps = tl.cdiv(num_segments, SEGMENTS)
+    for step in range(0, steps):
+        start = (steps - 1 - step) * SEGMENTS
+        seg = start + lanes
+        ok = seg < num_segments
+        kept = tl.load(Offsets + seg + 1, mask=ok, other=0) - tl.load(Offsets + seg, mask=ok, other=0)
+        hot = ((_work_bucket(kept)[:, None] == buckets[None, :]) & ok[:, None]).to(tl.int32)
+        counts = tl.sum(hot, axis=0)
+        # Later segments of the same bucket within this step: the step's count less the inclusive prefix.
+        later = tl.sum(hot * (counts[None, :] - tl.cumsum(hot, axis=0)), axis=1)
+        place = tl.sum(hot * (first + placed)[None, :], axis=1) + later
+        tl.store(Order + place, seg, mask=ok)
+        placed += counts
+
+
+def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """The grid's permutation: program ``i`` computes segment ``order[i]`` (one Triton launch).
 
     Args:
         offsets: the block index's CSR offsets, ``(S + 1,) int32`` (``BlockIndex.offsets``).
         num_segments: ``S``.
-        light: segments that keep fewer blocks share the lowest place (0: every segment by its bucket).
 
     Returns:
         ``(S,) int32`` on the offsets' device: segments by decreasing bucket of kept blocks, and within a bucket
-        (the light segments' included) by decreasing segment id, the decoded order of the kernel's reversed grid.
+        by decreasing segment id, the decoded order of the kernel's reversed grid.
+        :func:`segment_work_order_reference` gives the same.
+    """
+    order = torch.empty(num_segments, dtype=torch.int32, device=offsets.device)
+    if isinstance(work_order_kernel, InterpretedFunction):
+        install_interpreter_index_fix()  # its loops run to a bound known at run time
+    if num_segments > 0:
+        work_order_kernel[(1,)](offsets, order, num_segments, SEGMENTS=ORDER_SEGMENTS, BUCKETS=WORK_BUCKETS)
+    return order
+
+
+def segment_work_order_reference(offsets: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """:func:`segment_work_order` by ``torch.argsort`` (the specification its kernel is tested against).
+
+    Args:
+        offsets: the block index's CSR offsets, ``(S + 1,) int32`` (``BlockIndex.offsets``).
+        num_segments: ``S``.
+
+    Returns:
+        ``(S,) int32`` on the offsets' device: segments by decreasing bucket of kept blocks, and within a bucket
+        by decreasing segment id, the decoded order of the kernel's reversed grid.
     """
     kept = offsets[1 : num_segments + 1] - offsets[:num_segments]
     segment = torch.arange(num_segments, device=offsets.device, dtype=torch.int64)
     buckets = work_buckets(kept)
-    if light > 0:
-        buckets = torch.where(kept >= light, buckets, torch.zeros_like(buckets))
     key = buckets * num_segments + segment  # unique: the order is deterministic
     return torch.argsort(key, descending=True).to(torch.int32)
