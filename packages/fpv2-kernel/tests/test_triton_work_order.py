@@ -15,10 +15,13 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     )
 pytest.importorskip("triton")
 
+from triton.runtime.interpreter import InterpretedFunction
+
 from fpv2.kernel import CorrectionPlan
 from fpv2.kernel.reference import pool_blocks
 from fpv2.kernel.triton import BLOCK_M, sparse_attention_triton
 from fpv2.kernel.triton.work_order import (
+    ORDER_KERNEL_MAX_SEGMENTS,
     ORDER_SEGMENTS,
     WORK_BUCKETS,
     WORK_ORDER_ENV,
@@ -76,6 +79,28 @@ def test_the_order_kernel_gives_the_reference_order(device, num_segments, larges
     order = segment_work_order(offsets, num_segments)
     assert order.device == offsets.device and order.dtype == torch.int32
     assert torch.equal(order.cpu(), segment_work_order_reference(offsets, num_segments).cpu())
+
+
+def test_large_grids_and_cpu_offsets_are_ordered_by_the_reference(device, monkeypatch):
+    from fpv2.kernel.triton import work_order
+
+    launches = []
+
+    class CountingKernel:  # stands in for the kernel: counts launches, runs the real one
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    real = work_order.work_order_kernel
+    monkeypatch.setattr(work_order, "work_order_kernel", CountingKernel())
+    large = ORDER_KERNEL_MAX_SEGMENTS + 1
+    kept = torch.randint(0, 50, (large,), generator=torch.Generator().manual_seed(1))
+    offsets = _offsets(kept).to(device)
+    order = segment_work_order(offsets, large)
+    assert launches == [] and torch.equal(order.cpu(), segment_work_order_reference(offsets, large).cpu())
+    if device.type == "cuda" or isinstance(real, InterpretedFunction):
+        segment_work_order(offsets[:101], 100)
+        assert launches == [(1,)]
 
 
 def test_the_order_of_no_segments_is_empty(device):

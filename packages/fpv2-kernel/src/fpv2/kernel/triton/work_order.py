@@ -7,9 +7,9 @@ prefix one keeps ~1,000 blocks against a mean of ~27. The Hopper kernel's work o
 10-42% off its chunks after a prefix (benchmarks/results/2026-12-06-h100-default-schedule/). This is the same
 order for the Triton kernel: segments sorted by half-octave buckets of their kept-block count (the Hopper
 kernel's buckets), heaviest first, and within a bucket last to first (the reverse grid's order, which keeps
-the segments of one KV head together for L2). Built by one small Triton launch (a counting sort over the
-buckets, :func:`segment_work_order`), no host sync; :func:`segment_work_order_reference` is the same order by a
-``torch.argsort``, whose radix sort of 64-bit keys took about 0.2 ms at 2-4K segments.
+the segments of one KV head together for L2). Built on the device with no host sync: by one small Triton launch (a
+counting sort over the buckets, :func:`segment_work_order`) up to 8,192 segments, where it takes 0.06-0.10 ms
+against 0.25 for ``torch.argsort`` of 64-bit keys (:func:`segment_work_order_reference`, used above that).
 
 Measured on an H100 (``benchmarks/results/2026-12-06-h100-chunk-tile-pages/``, the planted pipeline's
 attention launch, mean correction, in one process): with the full bucket sort, chunks after a prefix with their
@@ -95,6 +95,10 @@ def work_buckets(kept: torch.Tensor) -> torch.Tensor:
 
 #: Segments per step of the order kernel's loops (a ``SEGMENTS x WORK_BUCKETS`` one-hot per step).
 ORDER_SEGMENTS = 256
+#: Above this many segments the order kernel's one program is slower than ``torch.argsort`` (H100, eager: 0.059
+#: against 0.249 ms at 2,048 segments, 0.098 / 0.255 at 4,096, 0.341 / 0.297 at 16,384; results/2026-12-06-h100-
+#: fused-tile-copy/), so larger grids are ordered by :func:`segment_work_order_reference`.
+ORDER_KERNEL_MAX_SEGMENTS = 8192
 
 
 @triton.jit
@@ -143,8 +147,15 @@ def work_order_kernel(Offsets, Order, num_segments, SEGMENTS: tl.constexpr, BUCK
         placed += counts
 
 
+#: The order kernel runs under the Triton interpreter (then on CPU tensors too).
+_INTERPRETED = isinstance(work_order_kernel, InterpretedFunction)
+
+
 def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """The grid's permutation: program ``i`` computes segment ``order[i]`` (one Triton launch).
+    """The grid's permutation: program ``i`` computes segment ``order[i]``.
+
+    One Triton launch for up to :data:`ORDER_KERNEL_MAX_SEGMENTS` segments on CUDA (or under the interpreter);
+    :func:`segment_work_order_reference` otherwise.
 
     Args:
         offsets: the block index's CSR offsets, ``(S + 1,) int32`` (``BlockIndex.offsets``).
@@ -155,9 +166,11 @@ def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor
         by decreasing segment id, the decoded order of the kernel's reversed grid.
         :func:`segment_work_order_reference` gives the same.
     """
-    order = torch.empty(num_segments, dtype=torch.int32, device=offsets.device)
-    if isinstance(work_order_kernel, InterpretedFunction):
+    if num_segments > ORDER_KERNEL_MAX_SEGMENTS or not (offsets.is_cuda or _INTERPRETED):
+        return segment_work_order_reference(offsets, num_segments)
+    if _INTERPRETED:
         install_interpreter_index_fix()  # its loops run to a bound known at run time
+    order = torch.empty(num_segments, dtype=torch.int32, device=offsets.device)
     if num_segments > 0:
         work_order_kernel[(1,)](offsets, order, num_segments, SEGMENTS=ORDER_SEGMENTS, BUCKETS=WORK_BUCKETS)
     return order
