@@ -69,6 +69,8 @@
 #   benchmarks/attention_schedule_device_run.sh triton-order-kernel  work_order_speed.py (the one-launch order
 #                                                      against torch.argsort), then FPV2_TRITON_WORK_ORDER 0 against 1
 #                                                      on triton-even's shapes (Triton backend, mean correction)
+#   benchmarks/attention_schedule_device_run.sh triton-fresh-order  FPV2_TRITON_WORK_ORDER 0 against 1 on fresh
+#                                                      calls (8K, 32K, 128K, 4 x 32K; Triton backend, mean correction)
 #   benchmarks/attention_schedule_device_run.sh suites  the kernel and serving packages' GPU suites (the serving
 #                                                      soak left out)
 #   benchmarks/attention_schedule_device_run.sh chunk-profile  the locked-clock ncu of `order-profile` for the 16K
@@ -256,6 +258,16 @@
 # kernel <= 0.03 ms eager at 2-4K segments, the argsort 0.1-0.3 ms; equal orders. Probe, order 1 against 0: the
 # chunks without a tail +7.6 / +15.7% -> 0 to +4%; with it -29.0 / -8.0% -> -31 to -34% / -10 to -13%; fresh 8K
 # (order forced on here) +0 to +4% (the argsort order: +9.6%).
+#
+# Measured (`triton-order-kernel`, 35th session, an H100; results/2026-12-06-h100-fused-tile-copy/): kernel 0.059 /
+# 0.098 ms eager at 2K / 4K segments against the argsort's 0.249 / 0.255, but 0.341 / 0.674 at 16K / 32K against
+# 0.297 / 0.334 (so the argsort above 8,192 segments); order 1 against 0: with the tail -33.0% / -12.8%, without it
+# +2.4% / +5.3%, fresh 8K forced -2.3%.
+#
+# Prediction for `triton-fresh-order` (before it ran): the order forced on fresh calls (the rule leaves them
+# decoded): 8K -2 to -3% (as above), 32K -6 to -9% (the argsort's -5.7% plus ~0.1 ms less to build, 8,192
+# segments: the kernel), 128K 0 to -1% (32,768 segments: the argsort, as the 34th session's -0.6%), 4 x 32K
+# 0 to -4%. If none is worse, the rule orders every call with more segments than SMs.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
 # and `chunk-attention` [default decoded; also unfused]; OUT.
@@ -449,6 +461,18 @@ if [ "$PART" = triton-order-kernel ]; then
     echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
   done
   settings_table "$RESULTS/triton-order-kernel.jsonl"
+fi
+
+if [ "$PART" = triton-fresh-order ]; then
+  for shape in "8192 1 0 1" "32768 1 0 1" "131072 1 0 1" "32768 4 0 1"; do
+    read -r seqlen batch prefix tail <<< "$shape"
+    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --switch FPV2_TRITON_WORK_ORDER \
+      --settings 0,1 --backend triton --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean \
+      --rounds 6 --calls 3 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
+      >> "$RESULTS/triton-fresh-order.jsonl" 2> "$LOGS/triton-fresh-order-$seqlen-$batch-$prefix-$tail.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
+  done
+  settings_table "$RESULTS/triton-fresh-order.jsonl"
 fi
 
 if [ "$PART" = triton-even ]; then
