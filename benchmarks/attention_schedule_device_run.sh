@@ -71,6 +71,8 @@
 #                                                      on triton-even's shapes (Triton backend, mean correction)
 #   benchmarks/attention_schedule_device_run.sh triton-fresh-order  FPV2_TRITON_WORK_ORDER 0 against 1 on fresh
 #                                                      calls (8K, 32K, 128K, 4 x 32K; Triton backend, mean correction)
+#   benchmarks/attention_schedule_device_run.sh chunk-host  chunk_host_profile.py: cProfile of the chunk-aware and
+#                                                      per-chunk pipelines (128K in 8K chunks, Hopper backend, page 1)
 #   benchmarks/attention_schedule_device_run.sh suites  the kernel and serving packages' GPU suites (the serving
 #                                                      soak left out)
 #   benchmarks/attention_schedule_device_run.sh chunk-profile  the locked-clock ncu of `order-profile` for the 16K
@@ -473,6 +475,17 @@ if [ "$PART" = triton-fresh-order ]; then
     echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
   done
   settings_table "$RESULTS/triton-fresh-order.jsonl"
+fi
+
+if [ "$PART" = chunk-host ]; then
+  for mode in aware naive; do
+    flag=()
+    [ "$mode" = naive ] && flag=(--naive)
+    with_packages timeout 150 python3 benchmarks/chunk_host_profile.py --backend hopper "${flag[@]}" \
+      > "$RESULTS/chunk-host-$mode.txt" 2> "$LOGS/chunk-host-$mode.log"
+    echo "chunk host profile ($mode): rc=$?"
+    head -1 "$RESULTS/chunk-host-$mode.txt"
+  done
 fi
 
 if [ "$PART" = triton-even ]; then
