@@ -266,10 +266,15 @@
 # 0.297 / 0.334 (so the argsort above 8,192 segments); order 1 against 0: with the tail -33.0% / -12.8%, without it
 # +2.4% / +5.3%, fresh 8K forced -2.3%.
 #
-# Prediction for `triton-fresh-order` (before it ran): the order forced on fresh calls (the rule leaves them
-# decoded): 8K -2 to -3% (as above), 32K -6 to -9% (the argsort's -5.7% plus ~0.1 ms less to build, 8,192
-# segments: the kernel), 128K 0 to -1% (32,768 segments: the argsort, as the 34th session's -0.6%), 4 x 32K
-# 0 to -4%. If none is worse, the rule orders every call with more segments than SMs.
+# Then the order became two launches (per 256 segments their bucket counts, then each segment's place), replacing
+# both the one-program kernel and the argsort fallback. Prediction for `triton-order-kernel` again (before it ran):
+# work_order_speed <= 0.05 ms eager at every size (2K-32K segments), equal orders; the probe as the one-program
+# kernel's within 1 point (its calls have 512-4,096 segments).
+#
+# Prediction for `triton-fresh-order` (before it ran, with the two launches): the order forced on fresh calls (the
+# rule leaves them decoded): 8K -2 to -3% (as above), 32K -6 to -9% (the argsort's -5.7% plus ~0.2 ms less to
+# build), 128K -1 to -3% (the argsort's -0.6% plus ~0.3 ms), 4 x 32K 0 to -4%. If none is worse, the rule orders
+# every call with more segments than SMs.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
 # and `chunk-attention` [default decoded; also unfused]; OUT.

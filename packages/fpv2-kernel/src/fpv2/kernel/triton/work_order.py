@@ -7,9 +7,9 @@ prefix one keeps ~1,000 blocks against a mean of ~27. The Hopper kernel's work o
 10-42% off its chunks after a prefix (benchmarks/results/2026-12-06-h100-default-schedule/). This is the same
 order for the Triton kernel: segments sorted by half-octave buckets of their kept-block count (the Hopper
 kernel's buckets), heaviest first, and within a bucket last to first (the reverse grid's order, which keeps
-the segments of one KV head together for L2). Built on the device with no host sync: by one small Triton launch (a
-counting sort over the buckets, :func:`segment_work_order`) up to 8,192 segments, where it takes 0.06-0.10 ms
-against 0.25 for ``torch.argsort`` of 64-bit keys (:func:`segment_work_order_reference`, used above that).
+the segments of one KV head together for L2). Built on the device with no host sync by a counting sort over the
+buckets in two small Triton launches (:func:`segment_work_order`); ``torch.argsort`` of 64-bit keys
+(:func:`segment_work_order_reference`, the specification) took 0.25-0.33 ms at 2-32K segments on an H100.
 
 Measured on an H100 (``benchmarks/results/2026-12-06-h100-chunk-tile-pages/``, the planted pipeline's
 attention launch, mean correction, in one process): with the full bucket sort, chunks after a prefix with their
@@ -93,12 +93,10 @@ def work_buckets(kept: torch.Tensor) -> torch.Tensor:
     return torch.where(kept > 0, bucket.clamp(max=WORK_BUCKETS - 1), torch.zeros_like(bucket))
 
 
-#: Segments per step of the order kernel's loops (a ``SEGMENTS x WORK_BUCKETS`` one-hot per step).
+#: Segments per program of the order kernels (a ``SEGMENTS x WORK_BUCKETS`` one-hot each).
 ORDER_SEGMENTS = 256
-#: Above this many segments the order kernel's one program is slower than ``torch.argsort`` (H100, eager: 0.059
-#: against 0.249 ms at 2,048 segments, 0.098 / 0.255 at 4,096, 0.341 / 0.297 at 16,384; results/2026-12-06-h100-
-#: fused-tile-copy/), so larger grids are ordered by :func:`segment_work_order_reference`.
-ORDER_KERNEL_MAX_SEGMENTS = 8192
+#: Rows of per-program counts the placing kernel reads at a time.
+_COUNT_ROWS = 64
 
 
 @triton.jit
@@ -113,49 +111,67 @@ def _work_bucket(kept):
 
 
 @triton.jit
-def work_order_kernel(Offsets, Order, num_segments, SEGMENTS: tl.constexpr, BUCKETS: tl.constexpr):
-    """One program: ``Order`` = segments by decreasing bucket, within a bucket by decreasing segment id.
+def _bucket_one_hot(Offsets, start, num_segments, SEGMENTS: tl.constexpr, BUCKETS: tl.constexpr):
+    """Segments ``start ..`` of a program, whether each exists, and the ``SEGMENTS x BUCKETS`` one-hot of buckets."""
+    seg = start + tl.arange(0, SEGMENTS)
+    ok = seg < num_segments
+    kept = tl.load(Offsets + seg + 1, mask=ok, other=0) - tl.load(Offsets + seg, mask=ok, other=0)
+    hot = (_work_bucket(kept)[:, None] == tl.arange(0, BUCKETS)[None, :]) & ok[:, None]
+    return seg, ok, hot.to(tl.int32)
 
-    A counting sort: the buckets' sizes give each bucket's first place (heaviest first); then the segments are
-    walked from the last, and segment ``s`` of bucket ``b`` goes to the bucket's first place plus the number of
-    later segments in ``b``.
+
+@triton.jit
+def bucket_counts_kernel(Offsets, Counts, num_segments, SEGMENTS: tl.constexpr, BUCKETS: tl.constexpr):
+    """``Counts[p, b]``: segments of program ``p``'s ``SEGMENTS`` that fall in bucket ``b``."""
+    pid = tl.program_id(0)
+    _seg, _ok, hot = _bucket_one_hot(Offsets, pid * SEGMENTS, num_segments, SEGMENTS, BUCKETS)
+    tl.store(Counts + pid * BUCKETS + tl.arange(0, BUCKETS), tl.sum(hot, axis=0))
+
+
+@triton.jit
+def place_segments_kernel(
+    Offsets,
+    Counts,
+    Order,
+    num_segments,
+    num_programs,
+    SEGMENTS: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Write each segment of program ``p`` to its place: segments by decreasing bucket, then decreasing id.
+
+    A counting sort: segment ``s`` of bucket ``b`` goes after every segment of a heavier bucket, then after the
+    segments of ``b`` with a higher id (those of later programs, from ``Counts``, and those later in its own).
     """
-    lanes = tl.arange(0, SEGMENTS)
+    pid = tl.program_id(0)
     buckets = tl.arange(0, BUCKETS)
     sizes = tl.zeros([BUCKETS], dtype=tl.int32)
-    for start in range(0, num_segments, SEGMENTS):
-        seg = start + lanes
-        ok = seg < num_segments
-        kept = tl.load(Offsets + seg + 1, mask=ok, other=0) - tl.load(Offsets + seg, mask=ok, other=0)
-        hot = (_work_bucket(kept)[:, None] == buckets[None, :]) & ok[:, None]
-        sizes += tl.sum(hot.to(tl.int32), axis=0)
-    # First place of bucket b: the segments of every heavier bucket.
-    first = tl.sum(tl.where(buckets[None, :] > buckets[:, None], sizes[None, :], 0), axis=1)
-    placed = tl.zeros([BUCKETS], dtype=tl.int32)  # segments of each bucket after the current step's
-    steps = tl.cdiv(num_segments, SEGMENTS)
-    for step in range(0, steps):
-        start = (steps - 1 - step) * SEGMENTS
-        seg = start + lanes
-        ok = seg < num_segments
-        kept = tl.load(Offsets + seg + 1, mask=ok, other=0) - tl.load(Offsets + seg, mask=ok, other=0)
-        hot = ((_work_bucket(kept)[:, None] == buckets[None, :]) & ok[:, None]).to(tl.int32)
-        counts = tl.sum(hot, axis=0)
-        # Later segments of the same bucket within this step: the step's count less the inclusive prefix.
-        later = tl.sum(hot * (counts[None, :] - tl.cumsum(hot, axis=0)), axis=1)
-        place = tl.sum(hot * (first + placed)[None, :], axis=1) + later
-        tl.store(Order + place, seg, mask=ok)
-        placed += counts
+    after = tl.zeros([BUCKETS], dtype=tl.int32)  # segments of each bucket in later programs
+    for row0 in range(0, num_programs, ROWS):
+        rows = row0 + tl.arange(0, ROWS)
+        counts = tl.load(
+            Counts + rows[:, None] * BUCKETS + buckets[None, :], mask=rows[:, None] < num_programs, other=0
+        )
+        sizes += tl.sum(counts, axis=0)
+        after += tl.sum(tl.where(rows[:, None] > pid, counts, 0), axis=0)
+    first = tl.sum(tl.where(buckets[None, :] > buckets[:, None], sizes[None, :], 0), axis=1)  # heavier buckets
+    seg, ok, hot = _bucket_one_hot(Offsets, pid * SEGMENTS, num_segments, SEGMENTS, BUCKETS)
+    own = tl.sum(hot, axis=0)
+    later = tl.sum(hot * (own[None, :] - tl.cumsum(hot, axis=0)), axis=1)  # same bucket, later in this program
+    place = tl.sum(hot * (first + after)[None, :], axis=1) + later
+    tl.store(Order + place, seg, mask=ok)
 
 
-#: The order kernel runs under the Triton interpreter (then on CPU tensors too).
-_INTERPRETED = isinstance(work_order_kernel, InterpretedFunction)
+#: The order kernels run under the Triton interpreter (then on CPU tensors too).
+_INTERPRETED = isinstance(place_segments_kernel, InterpretedFunction)
 
 
 def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor:
     """The grid's permutation: program ``i`` computes segment ``order[i]``.
 
-    One Triton launch for up to :data:`ORDER_KERNEL_MAX_SEGMENTS` segments on CUDA (or under the interpreter);
-    :func:`segment_work_order_reference` otherwise.
+    Two Triton launches on CUDA (or under the interpreter): per ``ORDER_SEGMENTS`` segments their bucket counts,
+    then each segment's place; :func:`segment_work_order_reference` on CPU tensors otherwise.
 
     Args:
         offsets: the block index's CSR offsets, ``(S + 1,) int32`` (``BlockIndex.offsets``).
@@ -166,13 +182,18 @@ def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor
         by decreasing segment id, the decoded order of the kernel's reversed grid.
         :func:`segment_work_order_reference` gives the same.
     """
-    if num_segments > ORDER_KERNEL_MAX_SEGMENTS or not (offsets.is_cuda or _INTERPRETED):
+    if not (offsets.is_cuda or _INTERPRETED):
         return segment_work_order_reference(offsets, num_segments)
     if _INTERPRETED:
-        install_interpreter_index_fix()  # its loops run to a bound known at run time
-    order = torch.empty(num_segments, dtype=torch.int32, device=offsets.device)
-    if num_segments > 0:
-        work_order_kernel[(1,)](offsets, order, num_segments, SEGMENTS=ORDER_SEGMENTS, BUCKETS=WORK_BUCKETS)
+        install_interpreter_index_fix()  # the placing kernel loops to a bound known at run time
+    programs = -(-num_segments // ORDER_SEGMENTS)
+    # One allocation for the order and the per-program counts.
+    scratch = torch.empty(num_segments + programs * WORK_BUCKETS, dtype=torch.int32, device=offsets.device)
+    order, counts = scratch[:num_segments], scratch[num_segments:]
+    if programs > 0:
+        meta = {"SEGMENTS": ORDER_SEGMENTS, "BUCKETS": WORK_BUCKETS}
+        bucket_counts_kernel[(programs,)](offsets, counts, num_segments, **meta)
+        place_segments_kernel[(programs,)](offsets, counts, order, num_segments, programs, ROWS=_COUNT_ROWS, **meta)
     return order
 
 
