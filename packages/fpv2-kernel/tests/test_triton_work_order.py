@@ -112,19 +112,19 @@ def test_the_switch_is_checked(monkeypatch):
         work_order_mode()
 
 
-def test_by_default_calls_with_a_cached_prefix_and_more_programs_than_sms_are_ordered(monkeypatch):
+def test_by_default_calls_with_more_programs_than_sms_are_ordered(monkeypatch):
     monkeypatch.delenv(WORK_ORDER_ENV, raising=False)
     cpu = torch.device("cpu")
-    assert use_work_order([100, 50], [100, 300], 8, cpu)  # the second request follows a prefix
-    assert not use_work_order([100, 50], [100, 50], 8, cpu)  # fresh requests keep the decoded order
+    assert use_work_order(8, cpu)  # off CUDA any grid counts as more than one wave
+    assert not use_work_order(0, cpu)
     if torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert not use_work_order([100], [300], sms, torch.device("cuda", 0))  # one wave: nothing to order
-        assert use_work_order([100], [300], sms + 1, torch.device("cuda", 0))
+        assert not use_work_order(sms, torch.device("cuda", 0))  # one wave: nothing to order
+        assert use_work_order(sms + 1, torch.device("cuda", 0))
     monkeypatch.setenv(WORK_ORDER_ENV, "0")
-    assert not use_work_order([100], [300], 8, cpu)
+    assert not use_work_order(8, cpu)
     monkeypatch.setenv(WORK_ORDER_ENV, "1")
-    assert use_work_order([100], [100], 8, cpu)
+    assert use_work_order(0, cpu)
 
 
 def _offsets(kept: torch.Tensor) -> torch.Tensor:

@@ -182,7 +182,7 @@ def sparse_attention_triton(
     if num_segments == 0:
         return (out, lse) if return_lse else out
     seg_request = segment_requests(tile_offsets, shapes.num_kv_heads, num_segments)
-    ordered = index is not None and use_work_order(batch.host.q_lens, batch.host.seqlens_k, num_segments, q.device)
+    ordered = index is not None and use_work_order(num_segments, q.device)
 
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=q.device)
     dummy_f32 = torch.zeros(1, dtype=torch.float32, device=q.device)

@@ -11,14 +11,15 @@ the segments of one KV head together for L2). Built on the device with no host s
 buckets in two small Triton launches (:func:`segment_work_order`); ``torch.argsort`` of 64-bit keys
 (:func:`segment_work_order_reference`, the specification) took 0.25-0.33 ms at 2-32K segments on an H100.
 
-Measured on an H100 (``benchmarks/results/2026-12-06-h100-chunk-tile-pages/``, the planted pipeline's
-attention launch, mean correction, in one process): with the full bucket sort, chunks after a prefix with their
-dense tail -15.8 to -31.6%, fresh 32K -5.7%, 128K -0.6%, but fresh 8K +9.6% and chunks without a dense tail
-(the chunk-aware pipeline's middle chunks) +4.8 to +14.1%. So by default (``FPV2_TRITON_WORK_ORDER`` unset,
-:func:`use_work_order`) calls with a cached prefix and more segments than SMs are ordered and fresh calls are not.
-Sorting only the segments that keep >= 64 blocks, which leaves such a chunk in the decoded order, cost the same
-(+7.0 / +16.0% against +7.6 / +15.7%, ``benchmarks/results/2026-12-06-h100-fused-tile-copy/``): the cost there is
-building and reading the order, not the order itself.
+Measured on an H100 (the planted pipeline's attention launch, mean correction, order on against off in one
+process). With the argsort order (``benchmarks/results/2026-12-06-h100-chunk-tile-pages/``): chunks after a prefix
+with their dense tail -15.8 to -31.6%, fresh 32K -5.7%, 128K -0.6%, but fresh 8K +9.6% and chunks without a dense
+tail (the chunk-aware pipeline's middle chunks) +4.8 to +14.1%, most of it the argsort's ~0.25 ms; only calls with a
+cached prefix were ordered then. With the two launches (``benchmarks/results/2026-12-06-h100-fused-tile-copy/``):
+16K after 112K -33.9%, 2K after 126K -12.2%, fresh 8K -3.5%, 32K -11.0%, 128K -1.5%, 4 x 32K -1.5%, chunks
+without a dense tail +1.8 / +3.9%. So every call with more segments than SMs is ordered (:func:`use_work_order`;
+``FPV2_TRITON_WORK_ORDER`` 0 / 1 overrides). Sorting only the segments that keep >= 64 blocks cost the same as
+the full sort: what chunks without a tail pay is building and reading the order, not the order itself.
 """
 
 from __future__ import annotations
@@ -50,16 +51,15 @@ def work_order_mode() -> str:
     return value or "auto"
 
 
-def use_work_order(q_lens: list[int], seqlens_k: list[int], num_segments: int, device: torch.device) -> bool:
+def use_work_order(num_segments: int, device: torch.device) -> bool:
     """Whether a block-sparse call runs its programs in the work order.
 
-    ``auto``: when some request has a cached prefix (``seqlens_k > q_len``) and the grid has more programs
-    than the device has SMs (on the CPU, any number): a chunk after a prefix has its dense-tail segments, the
-    heaviest of the call, late in the decoded order.
+    ``auto``: when the grid has more programs than the device has SMs (on the CPU, any program): every call with a
+    dense tail has segments far heavier than the mean, late in the decoded order. Measured on an H100 with the
+    order built in two launches (``benchmarks/results/2026-12-06-h100-fused-tile-copy/``): fresh 8K -3.5%, 32K
+    -11.0%, 128K -1.5%, 4 x 32K -1.5%; chunks after a prefix -12 to -34%; chunks without a dense tail +1.8 / +3.9%.
 
     Args:
-        q_lens: queries per request (the batch's host view).
-        seqlens_k: KV lengths per request.
         num_segments: programs of the grid.
         device: the call's device.
 
@@ -72,8 +72,6 @@ def use_work_order(q_lens: list[int], seqlens_k: list[int], num_segments: int, d
     mode = work_order_mode()
     if mode != "auto":
         return mode == "1"
-    if not any(k > q for q, k in zip(q_lens, seqlens_k)):
-        return False
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     return num_segments > sms
 
@@ -163,8 +161,16 @@ def place_segments_kernel(
     tl.store(Order + place, seg, mask=ok)
 
 
-#: The order kernels run under the Triton interpreter (then on CPU tensors too).
-_INTERPRETED = isinstance(place_segments_kernel, InterpretedFunction)
+#: Whether the order kernels run under the Triton interpreter (then on CPU tensors too); read at the first call.
+_INTERPRETED: bool | None = None
+
+
+def _interpreted() -> bool:
+    """Whether the order kernels are interpreted (asked once: the kernels are decorated at import)."""
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        _INTERPRETED = isinstance(place_segments_kernel, InterpretedFunction)
+    return _INTERPRETED
 
 
 def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -182,9 +188,10 @@ def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor
         by decreasing segment id, the decoded order of the kernel's reversed grid.
         :func:`segment_work_order_reference` gives the same.
     """
-    if not (offsets.is_cuda or _INTERPRETED):
+    interpreted = _interpreted()
+    if not (offsets.is_cuda or interpreted):
         return segment_work_order_reference(offsets, num_segments)
-    if _INTERPRETED:
+    if interpreted:
         install_interpreter_index_fix()  # the placing kernel loops to a bound known at run time
     programs = -(-num_segments // ORDER_SEGMENTS)
     # One allocation for the order and the per-program counts.
