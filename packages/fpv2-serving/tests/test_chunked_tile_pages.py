@@ -232,6 +232,29 @@ def test_the_pooling_copy_leaves_the_state_table_and_other_pages_alone(triton_co
     assert torch.equal(rows_v[256:600], w.v_cache[table[0, 256:600].long(), 0])
 
 
+def test_the_pooling_copies_fp8_pages_as_raw_bytes_and_pools_them_descaled(triton_copy):
+    from fpv2.kernel.reference import pool_blocks
+    from fpv2.serving.chunked_pooling import batch_from_host, pool_chunk
+
+    w = _prompt(1)
+    k8, v8 = w.k_cache.to(torch.float8_e4m3fn), w.v_cache.to(torch.float8_e4m3fn)
+    k_descale, v_descale = torch.tensor([[0.5, 2.0]]), torch.tensor([[0.25, 4.0]])
+    state = ChunkedPrefillPipeline(SPARSE).new_state(prompt_len=700)
+    assert chunked_tile_pages.reserve_tile_pages(CarryingBackend(), w.q, k8, w.batch, [state])
+    assert state.tile_k.dtype == torch.float8_e4m3fn
+    batch = batch_from_host([300], [300], w.batch.page_table, page_size=1, num_pages=w.batch.num_pages)
+    descales = {"k_descale": k_descale, "v_descale": v_descale}
+    stats = pool_chunk([state], k8, v8, batch, block_size=128, use_triton=True, copy_tile_pages=True, **descales)
+    assert stats.tile_pages_copied
+    tokens = w.batch.page_table[0, :300].long()
+    for tiles, cache in ((state.tile_k, k8), (state.tile_v, v8)):
+        rows = tiles.reshape(-1, *tiles.shape[2:])[:300]
+        assert torch.equal(rows.view(torch.uint8), cache[tokens, 0].view(torch.uint8))  # the e4m3 bytes, unscaled
+    want = pool_blocks(k8, v8, batch, block_size=128, **descales)
+    torch.testing.assert_close(stats.statistics.pooled_k, want.pooled_k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(stats.statistics.pooled_v, want.pooled_v, rtol=0, atol=1e-5)
+
+
 def test_the_pooling_leaves_the_copy_to_its_own_launch_where_it_cannot_make_it(triton_copy, copied_tokens):
     from fpv2.serving.chunked_pooling import batch_from_host, pool_chunk
 
