@@ -276,6 +276,12 @@
 # build), 128K -1 to -3% (the argsort's -0.6% plus ~0.3 ms), 4 x 32K 0 to -4%. If none is worse, the rule orders
 # every call with more segments than SMs.
 #
+# Measured (35th session, an H100; results/2026-12-06-h100-fused-tile-copy/): `chunked` A B A B unfused 21.01 /
+# 20.20 ms, fused 18.69 / 18.64 (-8 to -11%, all in the index stage). `triton-order-kernel` with the two launches:
+# 0.042-0.053 ms eager at 2-32K segments (argsort 0.21-0.25); 16K after 112K -33.9%, 2K after 126K -12.2%, no tail
+# +1.8 / +3.9%, fresh 8K -3.0%. `triton-fresh-order`: 8K -3.5%, 32K -11.0%, 128K -1.5%, 4 x 32K -1.5%: the rule now
+# orders every call with more segments than SMs.
+#
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
 # and `chunk-attention` [default decoded; also unfused]; OUT.
 set -u -o pipefail
