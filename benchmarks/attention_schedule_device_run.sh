@@ -303,6 +303,23 @@ for line in open(sys.argv[1]):
           "min", list(r["min_ms"].values()), "max diff", list(r[f"max_abs_difference_vs_{first}"].values()))' "$1"
 }
 
+# attention_switch_probe.py with FPV2_TRITON_WORK_ORDER 0 against 1 (Triton backend, mean correction) for each
+# "seqlen batch prefix dense-tail-tiles" shape, into NAME.jsonl, then the settings table:
+# triton_order_probes NAME TIMEOUT SHAPE...
+triton_order_probes() {
+  local name=$1 limit=$2 shape seqlen batch prefix tail
+  shift 2
+  for shape in "$@"; do
+    read -r seqlen batch prefix tail <<< "$shape"
+    with_packages timeout "$limit" python3 benchmarks/attention_switch_probe.py --switch FPV2_TRITON_WORK_ORDER \
+      --settings 0,1 --backend triton --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean \
+      --rounds 6 --calls 3 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
+      >> "$RESULTS/$name.jsonl" 2> "$LOGS/$name-$seqlen-$batch-$prefix-$tail.log"
+    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
+  done
+  settings_table "$RESULTS/$name.jsonl"
+}
+
 # fpv2 bench --sparse-only rows at 128K (page 1, Hopper backend, mean correction), one process a row, A B B A,
 # then their table; each setting is a label and the environment assignments of its rows ("" for none):
 # ab_rows_128k LABEL_A ENV_A LABEL_B ENV_B
@@ -434,16 +451,8 @@ if [ "$PART" = no-tail ]; then
 fi
 
 if [ "$PART" = triton-order ]; then
-  for shape in "16384 1 114688 1" "8192 1 57344 1" "8192 4 57344 1" "8192 1 0 1" "32768 1 0 1" "131072 1 0 1" \
-    "16384 1 114688 0"; do
-    read -r seqlen batch prefix tail <<< "$shape"
-    with_packages timeout 200 python3 benchmarks/attention_switch_probe.py --switch FPV2_TRITON_WORK_ORDER \
-      --settings 0,1 --backend triton --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean \
-      --rounds 6 --calls 3 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
-      >> "$RESULTS/triton-order.jsonl" 2> "$LOGS/triton-order-$seqlen-$batch-$prefix-$tail.log"
-    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
-  done
-  settings_table "$RESULTS/triton-order.jsonl"
+  triton_order_probes triton-order 200 "16384 1 114688 1" "8192 1 57344 1" "8192 4 57344 1" "8192 1 0 1" \
+    "32768 1 0 1" "131072 1 0 1" "16384 1 114688 0"
 fi
 
 if [ "$PART" = chunk-attention ]; then
@@ -465,27 +474,12 @@ if [ "$PART" = triton-order-kernel ]; then
     > "$RESULTS/work-order-speed.jsonl" 2> "$LOGS/work-order-speed.log"
   echo "work order speed: rc=$?"
   cat "$RESULTS/work-order-speed.jsonl"
-  for shape in "16384 1 114688 1" "16384 1 114688 0" "8192 1 57344 0" "2048 1 129024 1" "8192 1 0 1"; do
-    read -r seqlen batch prefix tail <<< "$shape"
-    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --switch FPV2_TRITON_WORK_ORDER \
-      --settings 0,1 --backend triton --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean \
-      --rounds 6 --calls 3 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
-      >> "$RESULTS/triton-order-kernel.jsonl" 2> "$LOGS/triton-order-kernel-$seqlen-$batch-$prefix-$tail.log"
-    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
-  done
-  settings_table "$RESULTS/triton-order-kernel.jsonl"
+  triton_order_probes triton-order-kernel 150 "16384 1 114688 1" "16384 1 114688 0" "8192 1 57344 0" \
+    "2048 1 129024 1" "8192 1 0 1"
 fi
 
 if [ "$PART" = triton-fresh-order ]; then
-  for shape in "8192 1 0 1" "32768 1 0 1" "131072 1 0 1" "32768 4 0 1"; do
-    read -r seqlen batch prefix tail <<< "$shape"
-    with_packages timeout 150 python3 benchmarks/attention_switch_probe.py --switch FPV2_TRITON_WORK_ORDER \
-      --settings 0,1 --backend triton --seqlen "$seqlen" --batch "$batch" --prefix "$prefix" --modes mean \
-      --rounds 6 --calls 3 --dense-tail-tiles "$tail" --label "L$seqlen-B$batch-P$prefix-T$tail" \
-      >> "$RESULTS/triton-fresh-order.jsonl" 2> "$LOGS/triton-fresh-order-$seqlen-$batch-$prefix-$tail.log"
-    echo "probe L=$seqlen B=$batch prefix=$prefix tail=$tail: rc=$?"
-  done
-  settings_table "$RESULTS/triton-fresh-order.jsonl"
+  triton_order_probes triton-fresh-order 150 "8192 1 0 1" "32768 1 0 1" "131072 1 0 1" "32768 4 0 1"
 fi
 
 if [ "$PART" = chunk-host ]; then

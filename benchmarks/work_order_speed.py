@@ -16,6 +16,7 @@ import argparse
 import json
 
 import torch
+from attention_switch_probe import timed  # this folder, first on sys.path as a script
 
 from fpv2.kernel.triton.work_order import segment_work_order, segment_work_order_reference
 from fpv2.serving.timing import median, timed_samples
@@ -29,17 +30,6 @@ def chunk_like_offsets(num_segments: int, tail_every: int, tail_blocks: int, dev
     offsets = torch.zeros(num_segments + 1, dtype=torch.int32)
     offsets[1:] = kept.cumsum(0)
     return offsets.to(device)
-
-
-def back_to_back_ms(fn, calls: int) -> float:
-    """Milliseconds per call of ``calls`` calls issued back to back between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def main() -> None:
@@ -65,7 +55,7 @@ def main() -> None:
 
             samples, _ = timed_samples(call, 5, args.repeats, device)
             row[f"{name}_eager_ms"] = round(median(samples), 4)
-            row[f"{name}_back_to_back_ms"] = round(back_to_back_ms(call, args.calls), 4)
+            row[f"{name}_back_to_back_ms"] = round(timed(call, args.calls), 4)
         print(json.dumps(row), flush=True)
 
 

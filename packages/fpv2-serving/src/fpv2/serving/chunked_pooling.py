@@ -151,24 +151,13 @@ def _tile_pages_target(state: ChunkedPrefillState, touched: PagedPrefillBatch, f
     """The state's tile pages ``first_block ..`` as the pooling kernel's copy target for the touched batch.
 
     The kernel writes touched block ``i`` to tile page ``i`` of the target and ``i`` into the target's page
-    table: the pages are a view of the state's (page ``first_block + i``), the table a scratch row (the
-    state's own table maps page ``j`` to ``j`` and is not rewritten).
+    table: the pages are a view of the state's (page ``first_block + i``), the table the touched batch's own
+    tile batch (the state's table maps page ``j`` to ``j`` and is not rewritten).
     """
-    from fpv2.kernel.triton.tile_repack import TileRepacked  # imports triton: only on the fast path
+    from fpv2.kernel.triton.tile_repack import TileRepacked, tile_batch, tile_pages_per_request
 
-    pages = num_key_blocks(touched.host.seqlens_k[0], TILE_TOKENS)
-    rows = slice(first_block, first_block + pages)
-    scratch = torch.empty((1, pages), dtype=torch.int32, device=touched.device)
-    target = PagedPrefillBatch(
-        cu_seqlens_q=touched.cu_seqlens_q,
-        seqlens_k=touched.seqlens_k,
-        page_table=scratch,
-        page_size=TILE_TOKENS,
-        num_pages=pages,
-        check_values=False,
-    )
-    target.assume_host_view(touched.host)
-    return TileRepacked(state.tile_k[rows], state.tile_v[rows], target)
+    rows = slice(first_block, first_block + tile_pages_per_request(touched)[0])
+    return TileRepacked(state.tile_k[rows], state.tile_v[rows], tile_batch(touched))
 
 
 def _pool_touched_gather(

@@ -205,15 +205,9 @@ def segment_work_order(offsets: torch.Tensor, num_segments: int) -> torch.Tensor
 
 
 def segment_work_order_reference(offsets: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """:func:`segment_work_order` by ``torch.argsort`` (the specification its kernel is tested against).
+    """:func:`segment_work_order` by ``torch.argsort``: the specification its kernels are tested against.
 
-    Args:
-        offsets: the block index's CSR offsets, ``(S + 1,) int32`` (``BlockIndex.offsets``).
-        num_segments: ``S``.
-
-    Returns:
-        ``(S,) int32`` on the offsets' device: segments by decreasing bucket of kept blocks, and within a bucket
-        by decreasing segment id, the decoded order of the kernel's reversed grid.
+    Arguments and result as for :func:`segment_work_order`.
     """
     kept = offsets[1 : num_segments + 1] - offsets[:num_segments]
     segment = torch.arange(num_segments, device=offsets.device, dtype=torch.int64)
