@@ -47,6 +47,12 @@
 #   benchmarks/attention_schedule_device_run.sh chunked  benchmarks/chunked_prefill.py (128K prompt in 8K chunks,
 #                                                      Hopper backend, no error column) with the default schedule
 #                                                      and with the decoded order (both switches 0), one process each
+#   benchmarks/attention_schedule_device_run.sh engine-chunks  benchmarks/chunked_prefill.py --uncarried (128K in 8K
+#                                                      chunks, mean correction, no error column) at page 1, 16
+#                                                      and 128 on the Hopper backend and page 1 on Triton: the
+#                                                      per-chunk pipeline (what the adapters ran) against the
+#                                                      chunk-aware one without carried tile pages (what the SGLang
+#                                                      adapter runs since the 36th session)
 #   benchmarks/attention_schedule_device_run.sh no-tail  --env-sets the default against the decoded order with
 #                                                      SelectionConfig.dense_tail_tiles=0 (no tile keeps its whole
 #                                                      span: a chunk-aware pipeline's middle chunks)
@@ -282,6 +288,13 @@
 # +1.8 / +3.9%, fresh 8K -3.0%. `triton-fresh-order`: 8K -3.5%, 32K -11.0%, 128K -1.5%, 4 x 32K -1.5%: the rule now
 # orders every call with more segments than SMs.
 #
+# Prediction for `engine-chunks` (36th session, before it ran; wall of the whole 128K prefill in 8K chunks):
+# sparse-aware-uncarried against sparse-naive at page 1 / Hopper within +-5% (its chunks pool only their own
+# blocks and have no dense tail but pay the per-call tile copy in a launch of its own, where the naive pooling
+# launch makes it; density 0.038 against 0.041); at page 128 (no copy) 5-15% faster and equal to sparse-aware;
+# page 16 as page 1; Triton page 1 10-20% faster (no tile copy on Triton; the naive chunks' dense tails and prefix
+# re-pooling go).
+#
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
 # and `chunk-attention` [default decoded; also unfused]; OUT.
 set -u -o pipefail
@@ -434,6 +447,17 @@ if [ "$PART" = chunked ]; then
       echo "chunked prefill ($run, $setting): rc=$?"
     )
     grep -E "^\|" "$LOGS/chunked-$run-$setting.log" | grep -E "sparse|impl" | cut -c1-200
+  done
+fi
+
+if [ "$PART" = engine-chunks ]; then
+  for setting in hopper:1 hopper:16 hopper:128 triton:1; do
+    backend="${setting%%:*}" page="${setting##*:}"
+    with_packages timeout 240 python3 benchmarks/chunked_prefill.py --chunks 8192 --backend "$backend" \
+      --page-size "$page" --uncarried --no-chunked-dense --no-error --repeats 5 --warmup 2 \
+      --out "$RESULTS/engine-chunks-$backend-p$page" > "$LOGS/engine-chunks-$backend-p$page.log" 2>&1
+    echo "engine chunks ($backend, page $page): rc=$?"
+    grep -E "^\|" "$LOGS/engine-chunks-$backend-p$page.log" | grep -E "sparse|impl" | cut -c1-160
   done
 fi
 

@@ -12,7 +12,10 @@ On the planted workload (BENCHMARKS.md), for the whole prompt and for each
   prefill (per-chunk dense fallbacks, the prefix re-pooled each time): the
   published implementation's behaviour;
 - ``sparse-aware``: :class:`fpv2.serving.chunked.ChunkedPrefillPipeline`
-  (whole-prompt fallbacks, pooled statistics carried across chunks).
+  (whole-prompt fallbacks, pooled statistics carried across chunks);
+- ``sparse-aware-uncarried`` (with ``--uncarried``): the same without the
+  carried tile pages (``carry_tile_pages=False``), as the engine adapters run
+  it (one state per layer cannot afford a copy of each layer's prompt).
 
 A chunk's KV is the prompt prefix up to the chunk's end, read from a cache
 that holds the whole prompt (a chunk never reads past its ``seqlens_k``).
@@ -89,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-chunked-dense",
         action="store_true",
         help="skip the dense rows of the chunked runs (their 'speedup vs dense (same chunking)' column)",
+    )
+    p.add_argument(
+        "--uncarried",
+        action="store_true",
+        help="add sparse-aware-uncarried rows: chunk-aware without carried tile pages, as the engine adapters run",
     )
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown results")
     args = p.parse_args(argv)
@@ -284,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     naive = ChunkedPrefillPipeline(
         config, strategy=args.strategy, correction=correction, backend=backend, chunk_aware=False
     )
+    uncarried = ChunkedPrefillPipeline(
+        config, strategy=args.strategy, correction=correction, backend=backend, carry_tile_pages=False
+    )
 
     def call(pipe: object, chunk: int | None) -> Callable[[], object]:
         if isinstance(pipe, SparsePrefillPipeline):
@@ -312,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_chunked_dense:
             plan.append((chunk, "dense", dense))
         plan += [(chunk, "sparse-naive", naive), (chunk, "sparse-aware", aware)]
+        if args.uncarried:
+            plan.append((chunk, "sparse-aware-uncarried", uncarried))
     rows: list[dict[str, object]] = []
     for chunk, impl, pipe in plan:
         log(f"timing {impl} at chunk {chunk or 'none'}")

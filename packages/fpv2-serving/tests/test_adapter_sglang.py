@@ -183,6 +183,7 @@ from fpv2.serving.adapters.sglang_kv_view import paged_cache_view  # noqa: E402
 from fpv2.serving.adapters.sglang_metadata import NO_PAGE, page_table_from_req_to_token  # noqa: E402
 from fpv2.serving.adapters.sglang_options import SGLangBackendOptions  # noqa: E402
 from fpv2.serving.adapters.sglang_plugin import BACKEND_NAME, register, register_sglang_backend  # noqa: E402
+from fpv2.serving.chunked import ChunkedPrefillPipeline  # noqa: E402
 
 DENSE = SGLangBackendOptions(strategy="dense", correction=False, backend="reference")
 HEAD_DIM = 64
@@ -769,3 +770,146 @@ def test_options_from_environment():
         Fpv2AttnBackend(
             make_runner(page_size=1, num_kv_heads=2, num_pool_pages=8), options=SGLangBackendOptions(strategy="nope")
         )
+
+
+# ----------------------------------------------------------------------- chunked prefill
+def chunk_forward_batch(sc, begin, end, *, rid="req-0", prompt_len=None):
+    """SGLang's ForwardBatch of one request's chunk ``begin:end`` (the scenario's request 0 holds the prompt)."""
+    q_len = end - begin
+    return sgl.ForwardBatch(
+        forward_mode=sgl.ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.zeros(q_len, dtype=torch.long),
+        req_pool_indices=torch.tensor(ROWS[:1], dtype=torch.long),
+        seq_lens=torch.tensor([end], dtype=torch.long),
+        out_cache_loc=sc.slots[0][begin:end],
+        seq_lens_sum=end,
+        seq_lens_cpu=torch.tensor([end], dtype=torch.long),
+        positions=torch.arange(begin, end),
+        extend_num_tokens=q_len,
+        extend_seq_lens=torch.tensor([q_len], dtype=torch.int32),
+        extend_prefix_lens=torch.tensor([begin], dtype=torch.int32),
+        extend_start_loc=torch.tensor([0], dtype=torch.int32),
+        extend_seq_lens_cpu=[q_len],
+        extend_prefix_lens_cpu=[begin],
+        orig_seq_lens=None if prompt_len is None else torch.tensor([prompt_len], dtype=torch.int32),
+        rids=None if rid is None else [rid],
+    )
+
+
+def run_chunk_layers(backend, sc, begin, end, **batch_fields):
+    """One forward of a chunk through every layer (SGLang's dispatch), the chunk's K/V written by the pool."""
+    forward_batch = chunk_forward_batch(sc, begin, end, **batch_fields)
+    backend.init_forward_metadata(forward_batch)
+    outs = []
+    for lid, layer in enumerate(sc.layers):
+        k_new, v_new = sc.k_full[lid][0][begin:end], sc.v_full[lid][0][begin:end]
+        q2d = sc.q[lid][begin:end].reshape(end - begin, -1)
+        outs.append(backend.forward(q2d, k_new, v_new, layer, forward_batch))
+    return outs
+
+
+def planted_chunk_scenario(length, page_size=16):
+    """One planted prompt of ``length`` tokens over two layers, nothing cached yet."""
+    wl = planted_workload(
+        [length], num_q_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, fraction=0.05, seed=11, dtype=torch.float32
+    )
+
+    def tokens(layer, b):
+        return wl.q, gather_kv(wl.k_cache, wl.batch, 0), gather_kv(wl.v_cache, wl.batch, 0)
+
+    sc = make_scenario(page_size, q_lens=(length,), prefix_lens=(0,), layers=2, tokens=tokens)
+    for layer in sc.layers:
+        layer.scaling = HEAD_DIM**-0.5
+    return sc, wl
+
+
+CHUNK_OPTIONS = {
+    "FPV2_SINK_TOKENS": "128",
+    "FPV2_WINDOW_TOKENS": "128",
+    "FPV2_MIN_SPARSE_KV_LEN": "0",
+    "FPV2_BACKEND": "reference",
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chunked_prefill_across_forwards_keeps_the_unchunked_selection(page_size, monkeypatch):
+    """A 2048-token prompt in four SGLang forwards: each layer carries its state by the request id, each chunk
+    pools only its own blocks, the dense tail is in the last chunk only, and the outputs are
+    ChunkedPrefillPipeline.run's; the per-call path (FPV2_CHUNK_AWARE=0) keeps a dense tile in every chunk."""
+    for name, value in CHUNK_OPTIONS.items():
+        monkeypatch.setenv(name, value)
+    length, size = 2048, 512
+    sc, wl = planted_chunk_scenario(length, page_size)
+    aware = Fpv2AttnBackend(sc.runner)
+    assert aware.options.chunk_aware
+    seen, pooled = [], []
+
+    def hook(lid, meta, result):
+        seen.append((lid, meta, result))
+        state = aware.chunk_states.get("req-0", lid)
+        pooled.append(None if state is None else state.pooled_blocks)
+
+    aware.result_hook = hook
+    outs = [run_chunk_layers(aware, sc, b, b + size, prompt_len=length) for b in range(0, length, size)]
+    assert len(aware.chunk_states) == 0 and aware.chunk_states.counters.resumed == 2 * 3
+
+    expected = ChunkedPrefillPipeline(
+        aware.options.selection_for_scale(HEAD_DIM**-0.5), backend="reference", carry_tile_pages=False
+    ).run(wl.q, wl.k_cache, wl.v_cache, wl.batch, chunk_size=size)
+    block = aware.options.selection.block_size
+    for i, (lid, meta, _) in enumerate(seen):
+        chunk = i // 2
+        assert meta.chunk_requests is not None and meta.chunk_requests[0].prompt_len == length
+        torch.testing.assert_close(outs[chunk][lid].reshape(size, 4, HEAD_DIM), expected.chunks[chunk].out)
+    # Each chunk pooled only its own blocks (the per-call pipeline pools the whole KV again every chunk);
+    # the last chunk's state is released after its layer ran.
+    assert pooled == [size // block * (i // 2 + 1) for i in range(6)] + [None, None]
+
+    per_call = []
+    for name, value in {**CHUNK_OPTIONS, "FPV2_CHUNK_AWARE": "0"}.items():
+        monkeypatch.setenv(name, value)
+    plain = Fpv2AttnBackend(sc.runner)
+    plain.result_hook = lambda lid, meta, result: per_call.append((meta, result))
+    for b in range(0, length, size):
+        run_chunk_layers(plain, sc, b, b + size, prompt_len=length)
+    assert all(meta.chunk_requests is None for meta, _ in per_call)
+    kept_aware = [r.index.nnz for _, _, r in seen]
+    kept_plain = [r.index.nnz for _, r in per_call]
+    # The first three chunks: fewer kept blocks without their own dense tail; the last chunk: the same rule.
+    assert all(a < p for a, p in zip(kept_aware[:6], kept_plain[:6]))
+    assert kept_aware[6:] == kept_plain[6:]
+
+
+def test_chunk_states_need_the_request_ids_and_survive_other_forwards(monkeypatch):
+    for name, value in CHUNK_OPTIONS.items():
+        monkeypatch.setenv(name, value)
+    sc, _ = planted_chunk_scenario(1024)
+    backend = Fpv2AttnBackend(sc.runner)
+    run_chunk_layers(backend, sc, 0, 512, rid=None, prompt_len=1024)  # no rids: the per-call pipeline
+    assert backend.forward_metadata.chunk_requests is None and len(backend.chunk_states) == 0
+    run_chunk_layers(backend, sc, 0, 512, prompt_len=1024)
+    assert backend.chunk_states.requests() == ("req-0",) and len(backend.chunk_states) == 2
+    # Another request's one-forward prefill in between runs per call and leaves the chunked request's states alone.
+    run_chunk_layers(backend, sc, 0, 1024, rid="other", prompt_len=1024)
+    assert backend.forward_metadata.chunk_requests is None and len(backend.chunk_states) == 2
+    run_chunk_layers(backend, sc, 512, 1024, prompt_len=1024)
+    assert len(backend.chunk_states) == 0 and backend.chunk_states.counters.resumed == 2
+    # Without orig_seq_lens the states stay until the budget drops them (the request may go on).
+    run_chunk_layers(backend, sc, 0, 512, rid="req-1")
+    assert backend.chunk_states.requests() == ("req-1",)
+    tight = Fpv2AttnBackend(sc.runner, options=dataclasses.replace(backend.options, chunk_state_mb=0))
+    run_chunk_layers(tight, sc, 0, 512, rid="a", prompt_len=1024)
+    run_chunk_layers(tight, sc, 0, 512, rid="b", prompt_len=1024)
+    assert tight.chunk_states.requests() == ("b",) and tight.chunk_states.counters.evicted == 2
+
+
+def test_chunk_options_from_environment():
+    opts = SGLangBackendOptions.from_env({"FPV2_CHUNK_AWARE": "off", "FPV2_CHUNK_STATE_MB": "64"})
+    assert (opts.chunk_aware, opts.chunk_state_mb) == (False, 64)
+    with pytest.raises(ValueError, match="FPV2_CHUNK_STATE_MB='lots'"):
+        SGLangBackendOptions.from_env({"FPV2_CHUNK_STATE_MB": "lots"})
+    with pytest.raises(ValueError, match="FPV2_CHUNK_STATE_MB='-1'"):
+        SGLangBackendOptions.from_env({"FPV2_CHUNK_STATE_MB": "-1"})
+    with pytest.raises(TypeError, match="chunk_aware"):
+        SGLangBackendOptions(chunk_aware=1)

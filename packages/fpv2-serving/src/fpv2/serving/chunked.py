@@ -183,9 +183,14 @@ class ChunkedPrefillPipeline:
             fallbacks on the whole prompt. False: run the plain
             :class:`~.pipeline.SparsePrefillPipeline` on every chunk as if it were a whole
             prefill (the naive baseline).
+        carry_tile_pages: in chunk-aware mode, let a request keep its K/V in 128-token tile pages across
+            its chunks where the backend says the copy pays (:mod:`.chunked_tile_pages`). False keeps the
+            backend's per-call rule: an engine that holds states for every layer cannot afford a copy of
+            each layer's prompt (about 0.5 GB a layer for a 128K prompt at 8 KV heads of 128).
 
     Raises:
-        TypeError: ``config`` is not a SelectionConfig, or ``correction``/``check_index``/``chunk_aware`` not a bool.
+        TypeError: ``config`` is not a SelectionConfig, or ``correction``/``check_index``/``chunk_aware``/
+            ``carry_tile_pages`` not a bool.
         ValueError: unknown strategy or backend name.
         RuntimeError: the named backend is not available here.
     """
@@ -199,9 +204,11 @@ class ChunkedPrefillPipeline:
         backend: str | AttentionBackend = AUTO,
         check_index: bool = False,
         chunk_aware: bool = True,
+        carry_tile_pages: bool = True,
     ) -> None:
-        if not isinstance(chunk_aware, bool):
-            raise TypeError(f"chunk_aware must be a bool; got {type(chunk_aware).__name__}")
+        for name, value in (("chunk_aware", chunk_aware), ("carry_tile_pages", carry_tile_pages)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
         # The plain pipeline validates the options and is the naive per-chunk path.
         self._plain = SparsePrefillPipeline(
             config, strategy=strategy, correction=correction, backend=backend, check_index=check_index
@@ -211,11 +218,13 @@ class ChunkedPrefillPipeline:
         self.correction: bool = self._plain.correction
         self.backend: AttentionBackend = self._plain.backend
         self.chunk_aware = chunk_aware
+        self.carry_tile_pages = carry_tile_pages
 
     def __repr__(self) -> str:
         return (
             f"ChunkedPrefillPipeline(strategy={self.strategy!r}, correction={self.correction}, "
-            f"backend={self.backend.name!r}, chunk_aware={self.chunk_aware}, config={self.config!r})"
+            f"backend={self.backend.name!r}, chunk_aware={self.chunk_aware}, carry_tile_pages={self.carry_tile_pages}, "
+            f"config={self.config!r})"
         )
 
     def new_state(self, *, prompt_len: int | None = None, prefill_start: int = 0) -> ChunkedPrefillState:
@@ -286,7 +295,7 @@ class ChunkedPrefillPipeline:
         pooled = 0
         # Small pages: the request's K/V in tile pages, each chunk copying only what it adds (the backend's
         # per-call rule otherwise); allocated first so that the pooling launch fills them when it can.
-        carries = reserve_tile_pages(self.backend, q, k_cache, batch, states)
+        carries = self.carry_tile_pages and reserve_tile_pages(self.backend, q, k_cache, batch, states)
         tiles_copied = False
         if self.correction or self.strategy != DENSE_STRATEGY:
             statistics, pooled, tiles_copied = pool_chunk(

@@ -22,6 +22,17 @@ backends do), views the layer's pool buffers as the fpv2 paged cache and runs
 layer's local head counts (``tp_q_head_num``, ``tp_k_head_num``), so under
 tensor parallelism each rank attends over its own heads.
 
+Chunked prefill: a forward that holds a chunk of a longer prompt (its KV after
+the chunk short of ``orig_seq_lens``), or the next chunk of one, runs
+:meth:`fpv2.serving.ChunkedPrefillPipeline.run_chunk` with one
+:class:`~fpv2.serving.ChunkedPrefillState` per request and layer, kept between
+forwards by a :class:`~fpv2.serving.chunk_state_registry.ChunkStateRegistry`
+keyed by SGLang's request id. Each chunk then pools only the key blocks it adds
+and keeps the whole prompt's dense fallbacks (a dense last tile in the prompt's
+last chunk only), so a chunked prompt gets the unchunked call's selection.
+Other forwards run :class:`~fpv2.serving.SparsePrefillPipeline` per call.
+``chunk_aware=False`` (``FPV2_CHUNK_AWARE=0``) runs every forward per call.
+
 Options (selection parameters, strategy, correction, fpv2 attention backend,
 validation) come from :class:`~fpv2.serving.adapters.sglang_options.SGLangBackendOptions`,
 by default read from ``FPV2_*`` environment variables in each rank.
@@ -38,6 +49,7 @@ affected.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -49,9 +61,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from fpv2.kernel.contracts import SUPPORTED_HEAD_DIMS
 
+from ..chunk_state_registry import ChunkStateRegistry
+from ..chunked import ChunkedPrefillPipeline
 from ..pipeline import PrefillResult, SparsePrefillPipeline
 from .sglang_kv_view import paged_cache_view
-from .sglang_metadata import SGLangPrefillMetadata, build_prefill_metadata
+from .sglang_metadata import SGLangPrefillMetadata, build_prefill_metadata, chunk_requests_of
 from .sglang_options import SGLangBackendOptions
 
 if TYPE_CHECKING:
@@ -84,6 +98,7 @@ class Fpv2AttnBackend(AttentionBackend):
     Attributes:
         options: the options in force.
         result_hook: optional :data:`ResultHook` called after every layer.
+        chunk_states: the per-request, per-layer states of chunked prefills in flight.
 
     Raises:
         TypeError: ``options`` is not a :class:`SGLangBackendOptions`.
@@ -108,6 +123,10 @@ class Fpv2AttnBackend(AttentionBackend):
         self.forward_metadata: SGLangPrefillMetadata | None = None
         self.result_hook: ResultHook | None = None
         self._pipelines: dict[float, SparsePrefillPipeline] = {}
+        self._chunked_pipelines: dict[float, ChunkedPrefillPipeline] = {}
+        self.chunk_states = ChunkStateRegistry(
+            budget_bytes=options.chunk_state_mb << 20, block_size=options.selection.block_size
+        )
         # Build one pipeline now: an unknown strategy or unavailable backend fails at startup, not mid-request.
         self._pipeline_for(1.0)
 
@@ -136,13 +155,17 @@ class Fpv2AttnBackend(AttentionBackend):
             )
         if getattr(forward_batch, "encoder_lens", None) is not None:
             raise NotImplementedError("the fpv2 SGLang backend does not serve encoder-decoder models")
-        self.forward_metadata = build_prefill_metadata(
+        metadata = build_prefill_metadata(
             forward_batch,
             self.req_to_token_pool.req_to_token,
             page_size=self.page_size,
             num_pages=self._num_cache_pages(),
             validate=self.options.validate,
         )
+        requests = chunk_requests_of(forward_batch) if self.options.chunk_aware else None
+        if requests is not None and self.chunk_states.begin_forward(requests):
+            metadata = dataclasses.replace(metadata, chunk_requests=requests)
+        self.forward_metadata = metadata
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         """Same as :meth:`init_forward_metadata` (all of it is host-side work).
@@ -248,7 +271,14 @@ class Fpv2AttnBackend(AttentionBackend):
         view = {"page_size": self.page_size, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
         k_cache = paged_cache_view(self.token_to_kv_pool.get_key_buffer(layer.layer_id), name="key buffer", **view)
         v_cache = paged_cache_view(self.token_to_kv_pool.get_value_buffer(layer.layer_id), name="value buffer", **view)
-        result = self._pipeline_for(layer.scaling)(q_heads, k_cache, v_cache, metadata.batch)
+        if metadata.chunk_requests is not None:
+            states = self.chunk_states.states_for(layer.layer_id, metadata.chunk_requests)
+            chunk = self._chunked_pipeline_for(layer.scaling).run_chunk(
+                q_heads, k_cache, v_cache, metadata.batch, states
+            )
+            result = chunk.result
+        else:
+            result = self._pipeline_for(layer.scaling)(q_heads, k_cache, v_cache, metadata.batch)
         if self.result_hook is not None:
             self.result_hook(layer.layer_id, metadata, result)
         return result.out.reshape(q_heads.shape[0], num_q_heads * head_dim)
@@ -266,6 +296,22 @@ class Fpv2AttnBackend(AttentionBackend):
                 backend=self.options.backend,
             )
             self._pipelines[key] = pipeline
+        return pipeline
+
+    def _chunked_pipeline_for(self, scale: float) -> ChunkedPrefillPipeline:
+        """The chunk-aware pipeline for one softmax scale; no carried tile pages (one per layer would not fit)."""
+        key = float(scale)
+        pipeline = self._chunked_pipelines.get(key)
+        if pipeline is None:
+            plain = self._pipeline_for(key)
+            pipeline = ChunkedPrefillPipeline(
+                plain.config,
+                strategy=plain.strategy,
+                correction=plain.correction,
+                backend=plain.backend,
+                carry_tile_pages=False,
+            )
+            self._chunked_pipelines[key] = pipeline
         return pipeline
 
     def _num_cache_pages(self) -> int:

@@ -16,6 +16,8 @@ import torch
 
 from fpv2.kernel import PagedPrefillBatch
 
+from ..chunk_state_registry import ChunkRequest
+
 #: Page-table entry past a request's last page (ignored by every fpv2 stage).
 NO_PAGE = -1
 
@@ -30,11 +32,14 @@ class SGLangPrefillMetadata:
         prefix: ``(B,) int32`` cached prefix per request (``extend_prefix_lens``);
             equal to ``batch.prefix``.
         forward_mode: the batch's ``ForwardMode``, for the per-layer checks.
+        chunk_requests: each request's chunk (id, prefix, length, prompt length) when the forward
+            runs through the chunk-aware pipeline, else None (the plain per-call pipeline).
     """
 
     batch: PagedPrefillBatch
     prefix: torch.Tensor
     forward_mode: object
+    chunk_requests: tuple[ChunkRequest, ...] | None = None
 
 
 def page_table_from_req_to_token(
@@ -166,6 +171,48 @@ def build_prefill_metadata(
     )
     return SGLangPrefillMetadata(
         batch=batch, prefix=prefix.contiguous(), forward_mode=getattr(forward_batch, "forward_mode", None)
+    )
+
+
+def chunk_requests_of(forward_batch: object) -> tuple[ChunkRequest, ...] | None:
+    """Each request's chunk of an SGLang extend ``ForwardBatch``, for the chunk-aware pipeline.
+
+    Reads ``rids``, ``extend_prefix_lens_cpu`` and ``extend_seq_lens_cpu`` (host lists) and
+    ``orig_seq_lens`` (the prompt length SGLang keeps per request, ``max(extend_end,
+    len(origin_input_ids))``; a device tensor, copied to the host here). A request whose
+    ``orig_seq_lens`` is shorter than its KV after the chunk (a decode row of a mixed batch)
+    gets that KV length as its prompt length: its chunk ends its prefill.
+
+    Args:
+        forward_batch: an SGLang ``ForwardBatch`` in an extend mode.
+
+    Returns:
+        One :class:`~fpv2.serving.chunk_state_registry.ChunkRequest` per request, or None when the
+        batch lacks request ids or the host lengths (then the forward runs the per-call pipeline).
+
+    Raises:
+        ValueError: the fields disagree in length.
+    """
+    rids = getattr(forward_batch, "rids", None)
+    prefixes = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+    q_lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    if rids is None or prefixes is None or q_lens is None:
+        return None
+    orig = getattr(forward_batch, "orig_seq_lens", None)
+    prompt_lens = [None] * len(rids) if orig is None else [int(n) for n in orig.tolist()]
+    if not len(rids) == len(prefixes) == len(q_lens) == len(prompt_lens):
+        raise ValueError(
+            f"ForwardBatch.rids ({len(rids)}), extend_prefix_lens_cpu ({len(prefixes)}), extend_seq_lens_cpu "
+            f"({len(q_lens)}) and orig_seq_lens ({len(prompt_lens)}) must have one entry per request"
+        )
+    return tuple(
+        ChunkRequest(
+            key=rid,
+            prefix=int(p),
+            q_len=int(n),
+            prompt_len=None if total is None else max(total, int(p) + int(n)),
+        )
+        for rid, p, n, total in zip(rids, prefixes, q_lens, prompt_lens)
     )
 
 

@@ -26,6 +26,12 @@ Variable                    Meaning                                    Default
                             ``hopper``, ``triton``, ``reference``)
 ``FPV2_VALIDATE``           check each forward's metadata on the host  ``1``
                             (one device synchronisation per forward)
+``FPV2_CHUNK_AWARE``        carry each request's pooled blocks and     ``1``
+                            whole-prompt dense rule across the chunks
+                            of a chunked prefill
+``FPV2_CHUNK_STATE_MB``     memory for carried states of requests      ``2048``
+                            absent from a forward (least recently
+                            used dropped first)
 ==========================  =========================================  ==================
 
 The selection defaults are those of :class:`fpv2.index.SelectionConfig` (the
@@ -75,6 +81,15 @@ class SGLangBackendOptions:
         validate: check every forward's metadata values on the host (page ids in
             range, lengths consistent); costs one device synchronisation per
             forward, not per layer.
+        chunk_aware: run the chunks of a chunked prefill through
+            :class:`~fpv2.serving.ChunkedPrefillPipeline` with one state per
+            request and layer (:mod:`fpv2.serving.chunk_state_registry`): each
+            chunk pools only the blocks it adds, and the dense fallbacks refer
+            to the whole prompt, so a chunked prompt keeps the unchunked call's
+            selection. Reads ``ForwardBatch.orig_seq_lens`` (one small
+            device-to-host copy per extend forward).
+        chunk_state_mb: MiB of carried states kept for requests absent from a
+            forward before the least recently used are dropped.
 
     Raises:
         TypeError: a field has the wrong type.
@@ -85,6 +100,8 @@ class SGLangBackendOptions:
     correction: bool = True
     backend: str = "auto"
     validate: bool = True
+    chunk_aware: bool = True
+    chunk_state_mb: int = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.selection, SelectionConfig):
@@ -96,10 +113,16 @@ class SGLangBackendOptions:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise TypeError(f"SGLangBackendOptions.{name} must be a non-empty str; got {value!r}")
-        for name in ("correction", "validate"):
+        for name in ("correction", "validate", "chunk_aware"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"SGLangBackendOptions.{name} must be a bool; got {type(value).__name__} {value!r}")
+        if isinstance(self.chunk_state_mb, bool) or not isinstance(self.chunk_state_mb, int):
+            raise TypeError(
+                f"SGLangBackendOptions.chunk_state_mb must be an int; got {type(self.chunk_state_mb).__name__}"
+            )
+        if self.chunk_state_mb < 0:
+            raise ValueError(f"SGLangBackendOptions.chunk_state_mb must be >= 0; got {self.chunk_state_mb}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SGLangBackendOptions:
@@ -136,10 +159,22 @@ class SGLangBackendOptions:
             raw = env.get(variable)
             if raw is not None and raw.strip():
                 kwargs[name] = raw.strip()
-        for name, variable in (("correction", "FPV2_CORRECTION"), ("validate", "FPV2_VALIDATE")):
+        for name, variable in (
+            ("correction", "FPV2_CORRECTION"),
+            ("validate", "FPV2_VALIDATE"),
+            ("chunk_aware", "FPV2_CHUNK_AWARE"),
+        ):
             raw = env.get(variable)
             if raw is not None and raw.strip():
                 kwargs[name] = _parse_bool(variable, raw)
+        raw = env.get("FPV2_CHUNK_STATE_MB")
+        if raw is not None and raw.strip():
+            try:
+                kwargs["chunk_state_mb"] = int(raw.strip())
+            except ValueError:
+                raise ValueError(f"FPV2_CHUNK_STATE_MB={raw!r} is not a valid int") from None
+            if kwargs["chunk_state_mb"] < 0:
+                raise ValueError(f"FPV2_CHUNK_STATE_MB={raw!r} must be >= 0")
         return cls(**kwargs)
 
     def selection_for_scale(self, scale: float) -> SelectionConfig:
