@@ -294,9 +294,18 @@
 # launch makes it; density 0.038 against 0.041); at page 128 (no copy) 5-15% faster and equal to sparse-aware;
 # page 16 as page 1; Triton page 1 10-20% faster (no tile copy on Triton; the naive chunks' dense tails and prefix
 # re-pooling go).
+# Measured (36th session, an H100, first call of the machine, medians of 5): page 1 naive 23.60 ms, aware 31.21,
+# uncarried 40.99; page 16 25.90 / 23.05 / 25.03; page 128 27.83 / 41.39 / 40.88; Triton page 1 45.53 / 35.20 /
+# 33.06 (-27%, beyond the prediction). The Hopper aware rows are far off the 35th session's 18.6-18.7 ms for the
+# same aware call at page 1, all of it in the index stage (13.8 against 4.8 ms; 22.3 at page 128), with spread
+# between samples: not explained by the code (the uncarried rows make no tile pages).
+# Prediction for `chunk-host` with PAGES="1 128" MODES="aware uncarried naive" (before it ran): if this is the
+# host (a slower or busier CPU), the plain walls repeat the rows above and the profiles show the same functions as
+# the 35th session's, each slower; if it was that call, aware page 1 returns to about 18.7 ms.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
-# and `chunk-attention` [default decoded; also unfused]; OUT.
+# and `chunk-attention` [default decoded; also unfused]; PAGES [1] and MODES [aware naive; also uncarried] of
+# `chunk-host`; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
@@ -507,13 +516,18 @@ if [ "$PART" = triton-fresh-order ]; then
 fi
 
 if [ "$PART" = chunk-host ]; then
-  for mode in aware naive; do
-    flag=()
-    [ "$mode" = naive ] && flag=(--naive)
-    with_packages timeout 150 python3 benchmarks/chunk_host_profile.py --backend hopper "${flag[@]}" \
-      > "$RESULTS/chunk-host-$mode.txt" 2> "$LOGS/chunk-host-$mode.log"
-    echo "chunk host profile ($mode): rc=$?"
-    head -1 "$RESULTS/chunk-host-$mode.txt"
+  for page in ${PAGES:-1}; do
+    for mode in ${MODES:-aware naive}; do
+      flag=()
+      [ "$mode" = naive ] && flag=(--naive)
+      [ "$mode" = uncarried ] && flag=(--uncarried)
+      name="chunk-host-$mode"
+      [ -n "${PAGES:-}" ] && name="$name-p$page"
+      with_packages timeout 150 python3 benchmarks/chunk_host_profile.py --backend hopper --page-size "$page" \
+        "${flag[@]}" > "$RESULTS/$name.txt" 2> "$LOGS/$name.log"
+      echo "chunk host profile ($mode, page $page): rc=$?"
+      head -1 "$RESULTS/$name.txt"
+    done
   done
 fi
 

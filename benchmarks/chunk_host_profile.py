@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--backend", default="hopper")
     parser.add_argument("--naive", action="store_true", help="the per-chunk pipeline instead of the chunk-aware one")
+    parser.add_argument(
+        "--uncarried", action="store_true", help="chunk-aware without carried tile pages (as the engine adapters run)"
+    )
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
@@ -50,7 +53,9 @@ def main() -> None:
         [args.seqlen], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=args.page_size,
         device=torch.device("cuda"), seed=0,
     )  # fmt: skip
-    pipe = ChunkedPrefillPipeline(SelectionConfig(), backend=args.backend, chunk_aware=not args.naive)
+    pipe = ChunkedPrefillPipeline(
+        SelectionConfig(), backend=args.backend, chunk_aware=not args.naive, carry_tile_pages=not args.uncarried
+    )
 
     def run() -> object:
         return pipe.run(wl.q, wl.k_cache, wl.v_cache, wl.batch, chunk_size=args.chunk)
