@@ -181,7 +181,7 @@ from fpv2.kernel.testing import planted_workload  # noqa: E402
 from fpv2.serving.adapters.sglang_backend import DECODE_REFUSAL, Fpv2AttnBackend  # noqa: E402
 from fpv2.serving.adapters.sglang_kv_view import paged_cache_view  # noqa: E402
 from fpv2.serving.adapters.sglang_metadata import NO_PAGE, page_table_from_req_to_token  # noqa: E402
-from fpv2.serving.adapters.sglang_options import SGLangBackendOptions  # noqa: E402
+from fpv2.serving.adapters.sglang_options import SGLangBackendOptions, chunk_aware_default  # noqa: E402
 from fpv2.serving.adapters.sglang_plugin import BACKEND_NAME, register, register_sglang_backend  # noqa: E402
 from fpv2.serving.chunked import ChunkedPrefillPipeline  # noqa: E402
 
@@ -842,7 +842,7 @@ def test_chunked_prefill_across_forwards_keeps_the_unchunked_selection(page_size
     length, size = 2048, 512
     sc, wl = planted_chunk_scenario(length, page_size)
     aware = Fpv2AttnBackend(sc.runner)
-    assert aware.options.chunk_aware
+    assert aware.options.chunk_aware is None and aware.chunk_aware  # the reference backend: chunk-aware
     seen, pooled = [], []
 
     def hook(lid, meta, result):
@@ -911,5 +911,9 @@ def test_chunk_options_from_environment():
         SGLangBackendOptions.from_env({"FPV2_CHUNK_STATE_MB": "lots"})
     with pytest.raises(ValueError, match="FPV2_CHUNK_STATE_MB='-1'"):
         SGLangBackendOptions.from_env({"FPV2_CHUNK_STATE_MB": "-1"})
+    assert SGLangBackendOptions.from_env({}).chunk_aware is None
+    assert SGLangBackendOptions.from_env({"FPV2_CHUNK_AWARE": "1"}).chunk_aware is True
     with pytest.raises(TypeError, match="chunk_aware"):
         SGLangBackendOptions(chunk_aware=1)
+    assert not chunk_aware_default("hopper")
+    assert chunk_aware_default("triton") and chunk_aware_default("reference")

@@ -26,9 +26,10 @@ Variable                    Meaning                                    Default
                             ``hopper``, ``triton``, ``reference``)
 ``FPV2_VALIDATE``           check each forward's metadata on the host  ``1``
                             (one device synchronisation per forward)
-``FPV2_CHUNK_AWARE``        carry each request's pooled blocks and     ``1``
-                            whole-prompt dense rule across the chunks
-                            of a chunked prefill
+``FPV2_CHUNK_AWARE``        carry each request's pooled blocks and     auto: on unless
+                            whole-prompt dense rule across the chunks  the attention
+                            of a chunked prefill                       backend is
+                                                                       ``hopper``
 ``FPV2_CHUNK_STATE_MB``     memory for carried states of requests      ``2048``
                             absent from a forward (least recently
                             used dropped first)
@@ -87,7 +88,8 @@ class SGLangBackendOptions:
             chunk pools only the blocks it adds, and the dense fallbacks refer
             to the whole prompt, so a chunked prompt keeps the unchunked call's
             selection. Reads ``ForwardBatch.orig_seq_lens`` (one small
-            device-to-host copy per extend forward).
+            device-to-host copy per extend forward). None (the default) decides
+            by the attention backend (:func:`chunk_aware_default`).
         chunk_state_mb: MiB of carried states kept for requests absent from a
             forward before the least recently used are dropped.
 
@@ -100,7 +102,7 @@ class SGLangBackendOptions:
     correction: bool = True
     backend: str = "auto"
     validate: bool = True
-    chunk_aware: bool = True
+    chunk_aware: bool | None = None
     chunk_state_mb: int = 2048
 
     def __post_init__(self) -> None:
@@ -115,7 +117,7 @@ class SGLangBackendOptions:
                 raise TypeError(f"SGLangBackendOptions.{name} must be a non-empty str; got {value!r}")
         for name in ("correction", "validate", "chunk_aware"):
             value = getattr(self, name)
-            if not isinstance(value, bool):
+            if not isinstance(value, bool) and not (name == "chunk_aware" and value is None):
                 raise TypeError(f"SGLangBackendOptions.{name} must be a bool; got {type(value).__name__} {value!r}")
         if isinstance(self.chunk_state_mb, bool) or not isinstance(self.chunk_state_mb, int):
             raise TypeError(
@@ -190,6 +192,24 @@ class SGLangBackendOptions:
             TypeError, ValueError: ``scale`` is not a positive finite number.
         """
         return dataclasses.replace(self.selection, softmax_scale=float(scale))
+
+
+def chunk_aware_default(backend_name: str) -> bool:
+    """Whether chunked prefills run chunk-aware when ``chunk_aware`` is not set, by the attention backend.
+
+    Measured on an H100 (128K prompt in 8K chunks, page 1, mean correction,
+    ``benchmarks/results/2026-12-06-h100-engine-chunks/``): on Triton the chunk-aware prefill without
+    carried tile pages took 33.1 ms against the per-call pipeline's 45.5; on the Hopper kernel 33.3
+    against 24.7 at page 1 and 28.0 against 22.0 at page 128. Those Hopper calls are bound by the
+    host's work per chunk, which the chunk-aware path has more of; its GPU work is smaller.
+
+    Args:
+        backend_name: the resolved attention backend's ``name``.
+
+    Returns:
+        False for ``"hopper"``, True otherwise.
+    """
+    return backend_name != "hopper"
 
 
 def _parse_bool(variable: str, raw: str) -> bool:
