@@ -302,10 +302,17 @@
 # Prediction for `chunk-host` with PAGES="1 128" MODES="aware uncarried naive" (before it ran): if this is the
 # host (a slower or busier CPU), the plain walls repeat the rows above and the profiles show the same functions as
 # the 35th session's, each slower; if it was that call, aware page 1 returns to about 18.7 ms.
+# Measured: aware page 1 29.92 ms plain (46.36 profiled), uncarried 33.33, naive 24.74; page 128 27.83 / 28.02 /
+# 21.98. The profiles hold the 35th session's functions, each ~1.6x slower: a slower host, and host-bound calls.
+# Prediction for `chunk-host` with TREES=". .carry/base-src . .carry/base-src" PAGES="1 128" MODES="uncarried naive"
+# (36th session's host trims against c9ee1e3, before it ran): the chunk-aware chunk's host work falls by 0.2-0.3 ms
+# (the dense-tile counts in integers instead of CPU tensors, the chunk's selection config cached, the index's second
+# input check skipped, the statistics offsets in the pooling's host-to-device copy): uncarried -3 to -5 ms at both
+# pages on a host like the last one; naive unchanged within 3% (the control).
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
-# and `chunk-attention` [default decoded; also unfused]; PAGES [1] and MODES [aware naive; also uncarried] of
-# `chunk-host`; OUT.
+# and `chunk-attention` [default decoded; also unfused]; PAGES [1], MODES [aware naive; also uncarried] and TREES
+# [.; folders holding another packages/ tree, each run in turn] of `chunk-host`; OUT.
 set -u -o pipefail
 # shellcheck source=benchmarks/device_run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
@@ -516,17 +523,22 @@ if [ "$PART" = triton-fresh-order ]; then
 fi
 
 if [ "$PART" = chunk-host ]; then
-  for page in ${PAGES:-1}; do
-    for mode in ${MODES:-aware naive}; do
-      flag=()
-      [ "$mode" = naive ] && flag=(--naive)
-      [ "$mode" = uncarried ] && flag=(--uncarried)
-      name="chunk-host-$mode"
-      [ -n "${PAGES:-}" ] && name="$name-p$page"
-      with_packages timeout 150 python3 benchmarks/chunk_host_profile.py --backend hopper --page-size "$page" \
-        "${flag[@]}" > "$RESULTS/$name.txt" 2> "$LOGS/$name.log"
-      echo "chunk host profile ($mode, page $page): rc=$?"
-      head -1 "$RESULTS/$name.txt"
+  run=0
+  for tree in ${TREES:-.}; do  # folders holding a packages/ tree; a tree named twice runs twice (A B A B)
+    run=$((run + 1))
+    for page in ${PAGES:-1}; do
+      for mode in ${MODES:-aware naive}; do
+        flag=()
+        [ "$mode" = naive ] && flag=(--naive)
+        [ "$mode" = uncarried ] && flag=(--uncarried)
+        name="chunk-host-$mode"
+        [ -n "${PAGES:-}" ] && name="$name-p$page"
+        [ -n "${TREES:-}" ] && name="$name-$run-$(basename "$(cd "$tree" && pwd)")"
+        SRC_TREE="$(cd "$tree" && pwd)" with_packages timeout 150 python3 benchmarks/chunk_host_profile.py \
+          --backend hopper --page-size "$page" "${flag[@]}" > "$RESULTS/$name.txt" 2> "$LOGS/$name.log"
+        echo "chunk host profile ($mode, page $page, tree $tree): rc=$?"
+        head -1 "$RESULTS/$name.txt"
+      done
     done
   done
 fi

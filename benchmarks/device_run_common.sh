@@ -25,7 +25,9 @@ device_run_start() {
 }
 
 with_packages() {
-  PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" "$@"
+  # SRC_TREE: a folder holding another packages/ tree (e.g. a commit's, for an A/B of Python code); default the repo's.
+  PYTHONPATH="$(ls -d "${SRC_TREE:-$ROOT}"/packages/*/src | tr '\n' ':')" FPV2_KERNEL_LIBRARY="$ROOT/$BIN/libfpv2_kernel.so" \
+    "$@"
 }
 
 # fpv2 bench of the planted pipeline (alpha 0.1, page 128) into $RESULTS/NAME, log in $LOGS; further bench options

@@ -16,7 +16,12 @@ from fpv2.kernel.reference.pooling import pool_blocks
 from fpv2.kernel.testing import planted_workload
 from fpv2.serving.chunked import ChunkedPrefillPipeline, ChunkedPrefillResult
 from fpv2.serving.chunked_pooling import pool_chunk
-from fpv2.serving.chunked_selection import densify_segments, select_chunk_blocks
+from fpv2.serving.chunked_selection import (
+    densify_segments,
+    select_chunk_blocks,
+    uniform_dense_tail,
+    uniform_tail_of_counts,
+)
 from fpv2.serving.chunked_state import ChunkedPrefillState
 from fpv2.serving.pipeline import SparsePrefillPipeline
 
@@ -342,6 +347,50 @@ def test_dense_tile_mask_whole_prompt_rule():
     # Without prompt_len the per-chunk rule applies (any chunk may be the last).
     unknown = ChunkedPrefillState()
     assert torch.equal(unknown.dense_tile_mask(1024, 1024, GROUP, config), dense_tile_mask(32, 2048, config, "cpu"))
+
+
+def _row_rule_mask(state, prefix, q_len, group, config):
+    """The whole-prompt rule as the spec states it, tile by tile in packed rows (no shortcut)."""
+    tiles = num_query_tiles(q_len, group, config.tile_size)
+    if state.prompt_len is None:
+        return dense_tile_mask(tiles, prefix + q_len, config, "cpu").tolist()
+    if state.prompt_len < config.min_sparse_kv_len:
+        return [True] * tiles
+    prompt_tiles = cdiv((state.prompt_len - state.prefill_start) * group, config.tile_size)
+    dense_from_row = max(prompt_tiles - config.dense_tail_tiles, 0) * config.tile_size
+    first_row = (prefix - state.prefill_start) * group
+    return [first_row + min((t + 1) * config.tile_size, q_len * group) - 1 >= dense_from_row for t in range(tiles)]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("tail", [0, 1, 3])
+def test_dense_tile_count_is_the_row_rule_on_every_chunk(group, tail):
+    config = dataclasses.replace(CONFIG, dense_tail_tiles=tail, min_sparse_kv_len=2000)
+    states = [
+        ChunkedPrefillState(prompt_len=4100, prefill_start=0),
+        ChunkedPrefillState(prompt_len=4100, prefill_start=333),
+        ChunkedPrefillState(prompt_len=1500),  # short: every tile dense
+        ChunkedPrefillState(),  # unknown prompt: the per-chunk rule
+    ]
+    for state in states:
+        end = state.prompt_len or 4100
+        pairs = list(itertools.product(range(state.prefill_start, end, 97), (1, 31, 64, 400, 1096)))
+        pairs += [(1600, 400), (1601, 400), (1599, 400)]  # KV at, past and short of min_sparse_kv_len
+        for prefix, q_len in pairs:
+            if prefix < state.prefill_start or prefix + q_len > end:
+                continue
+            expected = _row_rule_mask(state, prefix, q_len, group, config)
+            count = state.dense_tile_count(prefix, q_len, group, config)
+            assert expected == [t >= len(expected) - count for t in range(len(expected))], (state, prefix, q_len)
+            assert state.dense_tile_mask(prefix, q_len, group, config).tolist() == expected
+
+
+def test_uniform_tail_of_counts_matches_the_mask_rule():
+    for counts_tiles in itertools.product([(0, 8), (2, 8), (8, 8), (1, 1), (0, 5), (5, 5), (2, 5), (0, 0)], repeat=2):
+        counts = [c for c, _ in counts_tiles]
+        tiles = [t for _, t in counts_tiles]
+        masks = [torch.arange(t) >= t - c for c, t in counts_tiles]
+        assert uniform_tail_of_counts(counts, tiles) == uniform_dense_tail(masks), counts_tiles
 
 
 def test_densify_segments_keeps_other_tiles():

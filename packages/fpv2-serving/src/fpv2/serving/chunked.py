@@ -319,6 +319,7 @@ class ChunkedPrefillPipeline:
             strategy=self.strategy,
             q_descale=q_descale,
             k_descale=k_descale,
+            inputs_validated=True,
         )
         if not self._plain.check_index and is_builtin_strategy(self.strategy):
             # Built here from this chunk batch (a built-in strategy, or the dense rule): no device re-check.

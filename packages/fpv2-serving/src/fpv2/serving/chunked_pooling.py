@@ -77,23 +77,36 @@ def batch_from_host(
     Returns:
         The batch, on ``page_table``'s device.
     """
+    return _batch_and_ints(seqlens_q, seqlens_k, page_table, page_size=page_size, num_pages=num_pages)[0]
+
+
+def _batch_and_ints(
+    seqlens_q: Sequence[int],
+    seqlens_k: Sequence[int],
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+    num_pages: int,
+    trailing: Sequence[int] = (),
+) -> tuple[PagedPrefillBatch, torch.Tensor]:
+    """:func:`batch_from_host`, with ``trailing`` host ints copied to the device in the same copy (returned)."""
     cu = [0]
     for n in seqlens_q:
         cu.append(cu[-1] + int(n))
     kv = [int(k) for k in seqlens_k]
-    # One non-blocking copy of both arrays (a blocking torch.tensor(..., device=...) per array
+    # One non-blocking copy of every array (a blocking torch.tensor(..., device=...) per array
     # would stall the host until the device has caught up, once per chunk).
-    packed = device_ints([*cu, *kv], page_table.device)
+    packed = device_ints([*cu, *kv, *trailing], page_table.device)
     batch = PagedPrefillBatch(
         cu_seqlens_q=packed[: len(cu)],
-        seqlens_k=packed[len(cu) :],
+        seqlens_k=packed[len(cu) : len(cu) + len(kv)],
         page_table=page_table,
         page_size=page_size,
         num_pages=num_pages,
         check_values=False,
     )
     # The caller's host lists spare the batch a device read of its lengths.
-    return batch.assume_host_view(HostBatchView(cu_seqlens_q=cu, seqlens_k=kv))
+    return batch.assume_host_view(HostBatchView(cu_seqlens_q=cu, seqlens_k=kv)), packed[len(cu) + len(kv) :]
 
 
 def _pool_touched_paged(
@@ -107,11 +120,13 @@ def _pool_touched_paged(
     v_descale: torch.Tensor | None,
     use_triton: bool,
     tile_state: ChunkedPrefillState | None = None,
-) -> BlockStatistics:
+    trailing: Sequence[int] = (),
+) -> tuple[BlockStatistics, torch.Tensor]:
     """Pool blocks ``first_blocks[b] ..`` of every request through a page table advanced to them.
 
     With ``tile_state`` (one request, the Triton kernel, ``block_size`` = 128) the same launch copies the
-    touched blocks' tokens into that state's tile pages ``first_blocks[0] ..``.
+    touched blocks' tokens into that state's tile pages ``first_blocks[0] ..``. ``trailing`` host ints ride
+    the touched batch's copy to the device and come back as the second result.
     """
     host = batch.host
     page_size = batch.page_size
@@ -130,12 +145,14 @@ def _pool_touched_paged(
         # Columns past a request's last page are ignored by the pooling: clamp them into the table.
         cols = cols.clamp(max=max(batch.page_table.shape[1] - 1, 0))
         table = torch.gather(batch.page_table, 1, cols).contiguous()
-    touched = batch_from_host([0] * len(lengths), lengths, table, page_size=page_size, num_pages=batch.num_pages)
+    touched, ints = _batch_and_ints(
+        [0] * len(lengths), lengths, table, page_size=page_size, num_pages=batch.num_pages, trailing=trailing
+    )
     if use_triton:
         from fpv2.index.triton import pool_blocks_triton  # imports triton: only on the fast path
 
         tiles = _tile_pages_target(tile_state, touched, first_blocks[0]) if tile_state is not None else None
-        return pool_blocks_triton(
+        statistics = pool_blocks_triton(
             k_cache,
             v_cache,
             touched,
@@ -144,7 +161,9 @@ def _pool_touched_paged(
             v_descale=v_descale,
             tile_copies=tiles,
         )
-    return pool_blocks(k_cache, v_cache, touched, block_size=block_size, k_descale=k_descale, v_descale=v_descale)
+        return statistics, ints
+    statistics = pool_blocks(k_cache, v_cache, touched, block_size=block_size, k_descale=k_descale, v_descale=v_descale)
+    return statistics, ints
 
 
 def _tile_pages_target(state: ChunkedPrefillState, touched: PagedPrefillBatch, first_block: int) -> TileRepacked:
@@ -227,11 +246,17 @@ def pool_chunk(
     if copy_tile_pages and paged and pooled_blocks and use_triton and v_cache is not None:
         tile_state = _fusable_tile_state(states, first_blocks[0], host.prefix[0], block_size)
 
+    offsets_on_device = None  # the statistics' block offsets, when they rode the pooling's copy
     if pooled_blocks == 0:  # nothing to pool in any request (empty chunks ending on block boundaries)
         for b, state in enumerate(states):
             state.store(first_blocks[b], k_cache.new_zeros(0, *k_cache.shape[2:]), None, None, host.seqlens_k[b])
     elif paged:
-        touched = _pool_touched_paged(
+        # The chunk batch's statistics offsets (every block of each request, from the states) ride the touched
+        # batch's host-to-device copy: one copy a chunk less.
+        statistics_offsets = [0]
+        for e in end_blocks:
+            statistics_offsets.append(statistics_offsets[-1] + e)
+        touched, offsets_on_device = _pool_touched_paged(
             k_cache,
             v_cache,
             batch,
@@ -241,6 +266,7 @@ def pool_chunk(
             v_descale=v_descale,
             use_triton=use_triton,
             tile_state=tile_state,
+            trailing=statistics_offsets,
         )
         if tile_state is not None:
             tile_state.tile_tokens = host.seqlens_k[0]
@@ -260,7 +286,8 @@ def pool_chunk(
             if v_cache is not None:
                 pv = _pool_touched_gather(v_cache, batch, b, first_blocks[b], block_size, v_descale)[0]
             state.store(first_blocks[b], pk, pv, lengths, host.seqlens_k[b])
-    return ChunkStatistics(batch_statistics(states, batch, block_size), pooled_blocks, tile_state is not None)
+    statistics = batch_statistics(states, batch, block_size, block_offsets=offsets_on_device)
+    return ChunkStatistics(statistics, pooled_blocks, tile_state is not None)
 
 
 def check_chunk_states(states: Sequence[ChunkedPrefillState], batch: PagedPrefillBatch, block_size: int) -> None:
@@ -303,7 +330,11 @@ def _fusable_tile_state(
 
 
 def batch_statistics(
-    states: Sequence[ChunkedPrefillState], batch: PagedPrefillBatch, block_size: int
+    states: Sequence[ChunkedPrefillState],
+    batch: PagedPrefillBatch,
+    block_size: int,
+    *,
+    block_offsets: torch.Tensor | None = None,
 ) -> BlockStatistics:
     """The :class:`BlockStatistics` of a chunk batch, read from its requests' states.
 
@@ -311,6 +342,8 @@ def batch_statistics(
         states: one state per request, each pooled up to its request's ``seqlens_k``.
         batch: the chunk batch.
         block_size: tokens per block.
+        block_offsets: the statistics' ``(B + 1,) int32`` block offsets already on the device (the
+            states' block counts, accumulated), or None to copy them here.
 
     Returns:
         The statistics (views of the state's buffers when the batch has one request).
@@ -341,6 +374,6 @@ def batch_statistics(
         pooled_k=pooled_k,
         pooled_v=pooled_v,
         block_lengths=lengths,
-        block_offsets=device_ints(offsets, batch.device),
+        block_offsets=device_ints(offsets, batch.device) if block_offsets is None else block_offsets,
         block_size=block_size,
     )

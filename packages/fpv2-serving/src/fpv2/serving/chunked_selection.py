@@ -39,11 +39,13 @@ kept blocks plus the correction; only which blocks are kept differs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
 
-from fpv2.index import SelectionConfig, SelectionStrategy, build_block_index
+from fpv2.index import SelectionConfig, SelectionStrategy
+from fpv2.index.api import _build_block_index
 from fpv2.index.reference import leading_blocks_index
 from fpv2.kernel.contracts import (
     BlockIndex,
@@ -76,12 +78,39 @@ def chunk_dense_tiles(
     Raises:
         ValueError: wrong number of states, or a chunk outside its state's prefill.
     """
+    counts = chunk_dense_tile_counts(states, batch, group, config)
+    tiles = [num_query_tiles(n, group, config.tile_size) for n in batch.host.q_lens]
+    return [_suffix_mask(t, c) for t, c in zip(tiles, counts)]
+
+
+def chunk_dense_tile_counts(
+    states: Sequence[ChunkedPrefillState], batch: PagedPrefillBatch, group: int, config: SelectionConfig
+) -> list[int]:
+    """How many last tiles of every request of a chunk batch are dense, by each state's whole-prompt rule.
+
+    Args:
+        states: one state per request, in batch order.
+        batch: the chunk batch.
+        group: GQA group size ``g``.
+        config: selection parameters.
+
+    Returns:
+        One count per request (:meth:`ChunkedPrefillState.dense_tile_count`).
+
+    Raises:
+        ValueError: wrong number of states, or a chunk outside its state's prefill.
+    """
     if len(states) != batch.num_requests:
         raise ValueError(
             f"states must hold one ChunkedPrefillState per request ({batch.num_requests}); got {len(states)}"
         )
     host = batch.host
-    return [s.dense_tile_mask(p, n, group, config) for s, p, n in zip(states, host.prefix, host.q_lens)]
+    return [s.dense_tile_count(p, n, group, config) for s, p, n in zip(states, host.prefix, host.q_lens)]
+
+
+def _suffix_mask(num_tiles: int, count: int) -> torch.Tensor:
+    """``(num_tiles,) bool`` mask of the last ``count`` tiles."""
+    return torch.arange(num_tiles) >= num_tiles - count
 
 
 def _segment_geometry(
@@ -146,12 +175,34 @@ def uniform_dense_tail(dense_tiles: Sequence[torch.Tensor]) -> int | None:
         n = dense_suffix_length(mask)
         if n is None:
             return None
-        suffixes.append((n, mask.numel()))
-    partial = {n for n, tiles in suffixes if n < tiles}
+        suffixes.append(n)
+    return uniform_tail_of_counts(suffixes, [mask.numel() for mask in dense_tiles])
+
+
+def uniform_tail_of_counts(counts: Sequence[int], tiles: Sequence[int]) -> int | None:
+    """:func:`uniform_dense_tail` for dense suffixes given by their lengths.
+
+    Args:
+        counts: dense last tiles per request.
+        tiles: tiles per request.
+
+    Returns:
+        ``n`` with ``min(n, tiles[b]) == counts[b]`` for every request, or None.
+    """
+    partial = {n for n, t in zip(counts, tiles) if n < t}
     if len(partial) > 1:
         return None
-    tail = partial.pop() if partial else max((tiles for _, tiles in suffixes), default=0)
-    return tail if all(min(tail, tiles) == n for n, tiles in suffixes) else None
+    tail = partial.pop() if partial else max(tiles, default=0)
+    return tail if all(min(tail, t) == n for n, t in zip(counts, tiles)) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_config(config: SelectionConfig, tail: int) -> SelectionConfig:
+    """The selection parameters a chunk's strategy sees: the whole-prompt tail (or none), no short-prompt rule.
+
+    Cached: building a SelectionConfig validates every field, and a chunk needs one of very few.
+    """
+    return dataclasses.replace(config, dense_tail_tiles=tail, min_sparse_kv_len=0)
 
 
 def dense_block_index(
@@ -272,6 +323,7 @@ def select_chunk_blocks(
     strategy: str | SelectionStrategy = "max_threshold",
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
+    inputs_validated: bool = False,
 ) -> tuple[BlockIndex, int]:
     """Block index of a chunk batch with the dense fallbacks decided on each request's whole prompt.
 
@@ -293,6 +345,9 @@ def select_chunk_blocks(
         strategy: a strategy name or instance (it sees ``config`` with the fallbacks of the chunk).
         q_descale: ``(B, Hkv) float32`` FP8 query descales.
         k_descale: ``(B, Hkv) float32`` FP8 key descales.
+        inputs_validated: the caller has just run
+            :func:`~fpv2.kernel.contracts.validate_prefill_inputs` on these inputs (with its V
+            cache): the index skips its own check of them.
 
     Returns:
         ``(index, dense_tiles)``: the block index and the number of tiles (per KV
@@ -305,29 +360,30 @@ def select_chunk_blocks(
         raise TypeError(f"config must be a fpv2.index.SelectionConfig; got {type(config).__name__}")
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    dense_tiles = chunk_dense_tiles(states, batch, group, config)
+    tiles = [num_query_tiles(n, group, config.tile_size) for n in batch.host.q_lens]
+    counts = chunk_dense_tile_counts(states, batch, group, config)
     if strategy == DENSE_STRATEGY or getattr(strategy, "name", None) == DENSE_STRATEGY:
-        dense_tiles = [torch.ones_like(m) for m in dense_tiles]
-    num_dense = int(sum(int(m.sum()) for m in dense_tiles))
-    num_tiles = sum(m.numel() for m in dense_tiles)
+        counts = tiles
+    num_dense = sum(counts)
     geometry = {"num_kv_heads": num_kv_heads, "group": group, "tile_size": config.tile_size}
-    if num_dense == num_tiles:
+    if num_dense == sum(tiles):
         return dense_block_index(batch, block_size=config.block_size, **geometry), num_dense
     if statistics is None:
         raise ValueError("statistics are required when some tile of the chunk is selected sparsely")
-    tail = uniform_dense_tail(dense_tiles)
+    tail = uniform_tail_of_counts(counts, tiles)
     # The chunk's own fallbacks: the whole-prompt tail when the index rule can state it, else none.
-    inner = dataclasses.replace(config, dense_tail_tiles=tail or 0, min_sparse_kv_len=0)
-    index = build_block_index(
+    index = _build_block_index(
         q,
         k_cache,
         batch,
-        config=inner,
+        config=_chunk_config(config, tail or 0),
         strategy=strategy,
         statistics=statistics,
         q_descale=q_descale,
         k_descale=k_descale,
+        inputs_validated=inputs_validated,
     )
     if num_dense and tail is None:
-        index = densify_segments(index, batch, dense_tiles, block_size=config.block_size, **geometry)
+        masks = [_suffix_mask(t, c) for t, c in zip(tiles, counts)]
+        index = densify_segments(index, batch, masks, block_size=config.block_size, **geometry)
     return index, num_dense

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from fpv2.index import SelectionConfig
-from fpv2.index.reference.forced import dense_tile_mask
 from fpv2.kernel.contracts import BLOCK_SIZE, cdiv, num_key_blocks, num_query_tiles
 
 
@@ -149,8 +148,8 @@ class ChunkedPrefillState:
         """
         return min(self.num_tokens, prefix) // self.block_size
 
-    def dense_tile_mask(self, prefix: int, q_len: int, group: int, config: SelectionConfig) -> torch.Tensor:
-        """``(T,) bool`` tiles of a chunk that keep every visible block, by the whole-prompt rule.
+    def dense_tile_count(self, prefix: int, q_len: int, group: int, config: SelectionConfig) -> int:
+        """How many of a chunk's tiles keep every visible block, by the whole-prompt rule: always its last ones.
 
         With ``prompt_len`` known, a chunk tile is dense when the prompt is short
         (``prompt_len < config.min_sparse_kv_len``, the unchunked rule on the
@@ -165,6 +164,44 @@ class ChunkedPrefillState:
         own last tiles, and its current KV length against ``min_sparse_kv_len``):
         any chunk might be the last one.
 
+        Plain integer arithmetic (no tensors): it runs once per chunk and request on the host.
+
+        Args:
+            prefix: KV tokens before the chunk's first query.
+            q_len: queries of the chunk.
+            group: GQA group size ``g``.
+            config: selection parameters (``tile_size``, ``dense_tail_tiles``, ``min_sparse_kv_len``).
+
+        Returns:
+            ``n``: the chunk's last ``n`` tiles are dense, the others are not.
+
+        Raises:
+            ValueError: the chunk does not belong to this prefill (see :meth:`check_chunk`).
+        """
+        self.check_chunk(prefix, q_len)
+        tile_size = config.tile_size
+        rows = q_len * group
+        num_tiles = cdiv(rows, tile_size)
+        if self.prompt_len is None:
+            if prefix + q_len < config.min_sparse_kv_len:
+                return num_tiles
+            return min(max(config.dense_tail_tiles, 0), num_tiles)
+        if self.prompt_len < config.min_sparse_kv_len:
+            return num_tiles
+        prompt_tiles = cdiv((self.prompt_len - self.prefill_start) * group, tile_size)
+        dense_from_row = max(prompt_tiles - config.dense_tail_tiles, 0) * tile_size
+        first_row = (prefix - self.prefill_start) * group
+        # Tile t's last row is first_row + min((t + 1) * tile_size, rows) - 1: dense once it reaches dense_from_row.
+        needed = dense_from_row - first_row + 1
+        if needed <= 0:
+            return num_tiles
+        if needed > rows:
+            return 0
+        return num_tiles - (cdiv(needed, tile_size) - 1)
+
+    def dense_tile_mask(self, prefix: int, q_len: int, group: int, config: SelectionConfig) -> torch.Tensor:
+        """``(T,) bool`` tiles of a chunk that keep every visible block (:meth:`dense_tile_count` as a mask).
+
         Args:
             prefix: KV tokens before the chunk's first query.
             q_len: queries of the chunk.
@@ -177,19 +214,9 @@ class ChunkedPrefillState:
         Raises:
             ValueError: the chunk does not belong to this prefill (see :meth:`check_chunk`).
         """
-        self.check_chunk(prefix, q_len)
-        tile_size = config.tile_size
-        num_tiles = num_query_tiles(q_len, group, tile_size)
-        if self.prompt_len is None:
-            return dense_tile_mask(num_tiles, prefix + q_len, config, "cpu")
-        prompt_rows = (self.prompt_len - self.prefill_start) * group
-        prompt_tiles = cdiv(prompt_rows, tile_size)
-        dense_from_row = max(prompt_tiles - config.dense_tail_tiles, 0) * tile_size
-        first_row = (prefix - self.prefill_start) * group
-        tiles = torch.arange(num_tiles, dtype=torch.int64)
-        last_rows = first_row + torch.clamp((tiles + 1) * tile_size, max=q_len * group) - 1
-        short = self.prompt_len < config.min_sparse_kv_len
-        return (last_rows >= dense_from_row) | short
+        count = self.dense_tile_count(prefix, q_len, group, config)
+        num_tiles = num_query_tiles(q_len, group, config.tile_size)
+        return torch.arange(num_tiles) >= num_tiles - count
 
     # ------------------------------------------------------------------ storage
     def store(
