@@ -309,6 +309,10 @@
 # (the dense-tile counts in integers instead of CPU tensors, the chunk's selection config cached, the index's second
 # input check skipped, the statistics offsets in the pooling's host-to-device copy): uncarried -3 to -5 ms at both
 # pages on a host like the last one; naive unchanged within 3% (the control).
+# Measured (a faster host than the last one; results/2026-12-06-h100-engine-chunks/host-trims-ab*): page 1 uncarried
+# 19.95 / 19.77 ms with the trims against 21.44 / 22.83 before (-7 to -13%), naive 20.42-20.47 in all four (the
+# control held); page 128 uncarried 15.91 against 24.26 (one pair). Same host, trims only (`pages-ab/`, A B A B):
+# page 16 uncarried 19.65 / 19.64 against naive 20.17 / 20.23, page 128 15.92 / 16.00 against 18.16 / 18.39.
 #
 # Environment: BIN folder with the shipped libfpv2_kernel.so [.carry/head]; SETTING [dynamic]; SETTINGS of `chunked`
 # and `chunk-attention` [default decoded; also unfused]; PAGES [1], MODES [aware naive; also uncarried] and TREES
@@ -533,7 +537,7 @@ if [ "$PART" = chunk-host ]; then
         [ "$mode" = uncarried ] && flag=(--uncarried)
         name="chunk-host-$mode"
         [ -n "${PAGES:-}" ] && name="$name-p$page"
-        [ -n "${TREES:-}" ] && name="$name-$run-$(basename "$(cd "$tree" && pwd)")"
+        [ -n "${TREES:-}" ] && name="$name-$run-$([ "$tree" = . ] && echo tree || basename "$tree")"
         SRC_TREE="$(cd "$tree" && pwd)" with_packages timeout 150 python3 benchmarks/chunk_host_profile.py \
           --backend hopper --page-size "$page" "${flag[@]}" > "$RESULTS/$name.txt" 2> "$LOGS/$name.log"
         echo "chunk host profile ($mode, page $page, tree $tree): rc=$?"
