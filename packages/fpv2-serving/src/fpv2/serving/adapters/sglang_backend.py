@@ -32,8 +32,7 @@ and keeps the whole prompt's dense fallbacks (a dense last tile in the prompt's
 last chunk only), so a chunked prompt gets the unchunked call's selection.
 Other forwards run :class:`~fpv2.serving.SparsePrefillPipeline` per call.
 ``chunk_aware=False`` (``FPV2_CHUNK_AWARE=0``) runs every forward per call; by
-default the Hopper attention backend does at pages that are not a multiple of
-128 tokens (as measured, see
+default the Hopper attention backend does (as measured, see
 :func:`~fpv2.serving.adapters.sglang_options.chunk_aware_default`).
 
 Options (selection parameters, strategy, correction, fpv2 attention backend,
@@ -134,9 +133,7 @@ class Fpv2AttnBackend(AttentionBackend):
         )
         # Build one pipeline now: an unknown strategy or unavailable backend fails at startup, not mid-request.
         backend_name = self._pipeline_for(1.0).backend.name
-        self.chunk_aware = (
-            chunk_aware_default(backend_name, self.page_size) if options.chunk_aware is None else options.chunk_aware
-        )
+        self.chunk_aware = chunk_aware_default(backend_name) if options.chunk_aware is None else options.chunk_aware
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

@@ -26,10 +26,10 @@ Variable                    Meaning                                    Default
                             ``hopper``, ``triton``, ``reference``)
 ``FPV2_VALIDATE``           check each forward's metadata on the host  ``1``
                             (one device synchronisation per forward)
-``FPV2_CHUNK_AWARE``        carry each request's pooled blocks and     auto: on, but for
-                            whole-prompt dense rule across the chunks  ``hopper`` at pages
-                            of a chunked prefill                       not a multiple of
-                                                                       128
+``FPV2_CHUNK_AWARE``        carry each request's pooled blocks and     auto: on unless
+                            whole-prompt dense rule across the chunks  the attention
+                            of a chunked prefill                       backend is
+                                                                       ``hopper``
 ``FPV2_CHUNK_STATE_MB``     memory for carried states of requests      ``2048``
                             absent from a forward (least recently
                             used dropped first)
@@ -64,8 +64,6 @@ _SELECTION_VARIABLES: dict[str, tuple[str, type]] = {
     "min_sparse_kv_len": ("FPV2_MIN_SPARSE_KV_LEN", int),
     "probe_stride": ("FPV2_PROBE_STRIDE", int),
 }
-#: KV tile of the Hopper kernel: pages that are multiples of it are read by TMA without a copy.
-HOPPER_KV_TILE = 128
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -196,30 +194,28 @@ class SGLangBackendOptions:
         return dataclasses.replace(self.selection, softmax_scale=float(scale))
 
 
-def chunk_aware_default(backend_name: str, page_size: int) -> bool:
-    """Whether chunked prefills run chunk-aware when ``chunk_aware`` is not set.
+def chunk_aware_default(backend_name: str) -> bool:
+    """Whether chunked prefills run chunk-aware when ``chunk_aware`` is not set, by the attention backend.
 
     Measured on H100s (128K prompt in 8K chunks, mean correction, each chunk-aware row without carried tile
     pages, as this adapter runs it; ``benchmarks/results/2026-12-06-h100-engine-chunks/``):
 
     - Triton, page 1: 33.1 ms chunk-aware against 45.5 per call;
-    - Hopper kernel, after the 36th session's host trims, one machine, two runs each: page 128 15.9-16.0
-      against 18.2-18.4, page 16 19.6 against 20.2, page 1 19.8-20.0 against 20.5. Before the trims, on
-      a machine with a slower host, page 1 took 33.3 against 24.7 and page 128 28.0 against 22.0: these
-      calls wait on the host's work per chunk.
+    - Hopper kernel: the chunks are bound by the host's work per chunk, so the outcome follows the host.
+      On a quiet host, after the 36th session's host trims: page 128 15.9-16.0 against 18.2-18.4, pages 1
+      and 16 19.6-20.0 against 20.2-20.5. On a slower host, before the trims: page 1 33.3 against 24.7,
+      page 128 28.0 against 22.0. On a noisy host the trims' A/B swung by up to 50% between runs.
 
-    So on the Hopper kernel only pages the kernel reads by TMA as they are (multiples of 128 tokens) run
-    chunk-aware by default, where the margin is wide; smaller pages, whose chunks copy their K/V into tile
-    pages per call, keep the per-call pipeline until the chunk-aware host work is smaller still.
+    So the Hopper kernel keeps the per-call pipeline by default until the chunk-aware path's host work is
+    clearly below the per-call one's; ``FPV2_CHUNK_AWARE=1`` runs it chunk-aware.
 
     Args:
         backend_name: the resolved attention backend's ``name``.
-        page_size: tokens per page of the KV pool.
 
     Returns:
-        False for ``"hopper"`` at a page size that is not a multiple of 128, True otherwise.
+        False for ``"hopper"``, True otherwise.
     """
-    return backend_name != "hopper" or page_size % HOPPER_KV_TILE == 0
+    return backend_name != "hopper"
 
 
 def _parse_bool(variable: str, raw: str) -> bool:
