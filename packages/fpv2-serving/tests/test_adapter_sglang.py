@@ -180,7 +180,11 @@ from fpv2.kernel.reference.paged import gather_kv  # noqa: E402
 from fpv2.kernel.testing import planted_workload  # noqa: E402
 from fpv2.serving.adapters.sglang_backend import DECODE_REFUSAL, Fpv2AttnBackend  # noqa: E402
 from fpv2.serving.adapters.sglang_kv_view import paged_cache_view  # noqa: E402
-from fpv2.serving.adapters.sglang_metadata import NO_PAGE, page_table_from_req_to_token  # noqa: E402
+from fpv2.serving.adapters.sglang_metadata import (  # noqa: E402
+    NO_PAGE,
+    chunk_requests_of,
+    page_table_from_req_to_token,
+)
 from fpv2.serving.adapters.sglang_options import SGLangBackendOptions, chunk_aware_default  # noqa: E402
 from fpv2.serving.adapters.sglang_plugin import BACKEND_NAME, register, register_sglang_backend  # noqa: E402
 from fpv2.serving.chunked import ChunkedPrefillPipeline  # noqa: E402
@@ -887,6 +891,14 @@ def test_chunk_states_need_the_request_ids_and_survive_other_forwards(monkeypatc
     sc, _ = planted_chunk_scenario(1024)
     backend = Fpv2AttnBackend(sc.runner)
     run_chunk_layers(backend, sc, 0, 512, rid=None, prompt_len=1024)  # no rids: the per-call pipeline
+    assert backend.forward_metadata.chunk_requests is None and len(backend.chunk_states) == 0
+    padded = chunk_forward_batch(sc, 0, 512, prompt_len=1024)
+    padded.rids = ["req-0", "pad"]  # ids that do not match the batch's rows: the per-call pipeline
+    assert chunk_requests_of(padded) is None
+    padded.extend_prefix_lens_cpu, padded.extend_seq_lens_cpu = [0, 0], [512, 0]
+    padded.orig_seq_lens = torch.tensor([1024, 0], dtype=torch.int32)
+    assert len(chunk_requests_of(padded)) == 2
+    backend.init_forward_metadata(padded)  # two ids for a one-row batch
     assert backend.forward_metadata.chunk_requests is None and len(backend.chunk_states) == 0
     run_chunk_layers(backend, sc, 0, 512, prompt_len=1024)
     assert backend.chunk_states.requests() == ("req-0",) and len(backend.chunk_states) == 2

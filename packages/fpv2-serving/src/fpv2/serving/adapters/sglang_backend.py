@@ -168,6 +168,8 @@ class Fpv2AttnBackend(AttentionBackend):
             validate=self.options.validate,
         )
         requests = chunk_requests_of(forward_batch) if self.chunk_aware else None
+        if requests is not None and len(requests) != metadata.batch.num_requests:
+            requests = None  # ids for fewer rows than the batch's tensors (a padded batch): per call
         if requests is not None and self.chunk_states.begin_forward(requests):
             metadata = dataclasses.replace(metadata, chunk_requests=requests)
         self.forward_metadata = metadata

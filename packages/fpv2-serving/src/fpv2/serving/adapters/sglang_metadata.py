@@ -188,10 +188,9 @@ def chunk_requests_of(forward_batch: object) -> tuple[ChunkRequest, ...] | None:
 
     Returns:
         One :class:`~fpv2.serving.chunk_state_registry.ChunkRequest` per request, or None when the
-        batch lacks request ids or the host lengths (then the forward runs the per-call pipeline).
-
-    Raises:
-        ValueError: the fields disagree in length.
+        batch lacks request ids or the host lengths, or when they disagree in length (a batch padded
+        for data-parallel attention pads its tensors, not its ids): the forward then runs the
+        per-call pipeline, whose output does not depend on them.
     """
     rids = getattr(forward_batch, "rids", None)
     prefixes = getattr(forward_batch, "extend_prefix_lens_cpu", None)
@@ -201,10 +200,7 @@ def chunk_requests_of(forward_batch: object) -> tuple[ChunkRequest, ...] | None:
     orig = getattr(forward_batch, "orig_seq_lens", None)
     prompt_lens = [None] * len(rids) if orig is None else [int(n) for n in orig.tolist()]
     if not len(rids) == len(prefixes) == len(q_lens) == len(prompt_lens):
-        raise ValueError(
-            f"ForwardBatch.rids ({len(rids)}), extend_prefix_lens_cpu ({len(prefixes)}), extend_seq_lens_cpu "
-            f"({len(q_lens)}) and orig_seq_lens ({len(prompt_lens)}) must have one entry per request"
-        )
+        return None
     return tuple(
         ChunkRequest(
             key=rid,
