@@ -17,6 +17,13 @@ On the planted workload (BENCHMARKS.md), for the whole prompt and for each
   carried tile pages (``carry_tile_pages=False``), as the engine adapters run
   it (one state per layer cannot afford a copy of each layer's prompt).
 
+With ``--host-ahead`` (CUDA only) each row is also timed with the host ahead of
+the GPU (:func:`fpv2.serving.timing.host_ahead_samples`: a spin kernel holds the
+stream while the host issues the whole prefill, so the kernels run back to back):
+the GPU's own time, which is what a model's forward sees when its other layers
+keep the GPU busier than the host (the eager rows of short chunks wait on the
+host's work per chunk).
+
 A chunk's KV is the prompt prefix up to the chunk's end, read from a cache
 that holds the whole prompt (a chunk never reads past its ``seqlens_k``).
 Writes ``chunked-prefill-<tag>.json`` and ``.md`` under ``--out`` and prints
@@ -52,7 +59,14 @@ from fpv2.serving.metrics import relative_l2_error
 from fpv2.serving.pipeline import PrefillResult, SparsePrefillPipeline
 from fpv2.serving.report import write_json
 from fpv2.serving.soak import SyncCounter
-from fpv2.serving.timing import StageTimings, benchmark_device, median, protocol_notes, timed_samples
+from fpv2.serving.timing import (
+    StageTimings,
+    benchmark_device,
+    host_ahead_samples,
+    median,
+    protocol_notes,
+    timed_samples,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Fewest timed runs the protocol accepts on a GPU.
@@ -97,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--uncarried",
         action="store_true",
         help="add sparse-aware-uncarried rows: chunk-aware without carried tile pages, as the engine adapters run",
+    )
+    p.add_argument(
+        "--host-ahead",
+        action="store_true",
+        help="also time every row with the host ahead of the GPU (its kernels back to back; CUDA only)",
     )
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown results")
     args = p.parse_args(argv)
@@ -144,6 +163,11 @@ def measure(
         "attention_ms": median([s.attention_ms for s in stages]),
         "host_syncs": count_syncs(fn, device),
     }
+    if args.host_ahead and device.type == "cuda":
+        result = None  # free the output before the host-ahead calls allocate theirs
+        ahead, result = host_ahead_samples(fn, args.repeats, device)
+        split["host_ahead_samples_ms"] = ahead
+        split["host_ahead_ms"] = median(ahead) if ahead else None
     return samples, split, result
 
 
@@ -207,9 +231,9 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
     """
     head = (
         "| chunk | impl | ms | index ms | corr ms | attn ms | density | pooled blocks | dense tiles | rel err "
-        "| speedup vs dense (same chunking) | speedup vs unchunked dense | host syncs |"
+        "| speedup vs dense (same chunking) | speedup vs unchunked dense | host syncs | host-ahead ms |"
     )
-    lines = [head, "|" + "|".join(["---"] * 13) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 14) + "|"]
     for r in rows:
         lines.append(
             "| "
@@ -228,6 +252,7 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
                     fmt(r["speedup_vs_dense"], ".2f"),
                     fmt(r["speedup_vs_unchunked_dense"], ".2f"),
                     fmt(r.get("host_syncs"), "d"),
+                    fmt(r.get("host_ahead_ms"), ".2f"),
                 ]
             )
             + " |"
