@@ -19,6 +19,7 @@ block's mean depends only on its own tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -161,8 +162,10 @@ def _pool_touched_paged(
             v_descale=v_descale,
             tile_copies=tiles,
         )
-        return statistics, ints
-    statistics = pool_blocks(k_cache, v_cache, touched, block_size=block_size, k_descale=k_descale, v_descale=v_descale)
+    else:
+        statistics = pool_blocks(
+            k_cache, v_cache, touched, block_size=block_size, k_descale=k_descale, v_descale=v_descale
+        )
     return statistics, ints
 
 
@@ -253,9 +256,7 @@ def pool_chunk(
     elif paged:
         # The chunk batch's statistics offsets (every block of each request, from the states) ride the touched
         # batch's host-to-device copy: one copy a chunk less.
-        statistics_offsets = [0]
-        for e in end_blocks:
-            statistics_offsets.append(statistics_offsets[-1] + e)
+        statistics_offsets = [0, *itertools.accumulate(end_blocks)]
         touched, offsets_on_device = _pool_touched_paged(
             k_cache,
             v_cache,
@@ -270,9 +271,7 @@ def pool_chunk(
         )
         if tile_state is not None:
             tile_state.tile_tokens = host.seqlens_k[0]
-        offsets = [0]
-        for f, e in zip(first_blocks, end_blocks):
-            offsets.append(offsets[-1] + e - f)
+        offsets = [0, *itertools.accumulate(e - f for f, e in zip(first_blocks, end_blocks))]
         for b, state in enumerate(states):
             rows = slice(offsets[b], offsets[b + 1])
             pooled_v = touched.pooled_v[rows] if touched.pooled_v is not None else None

@@ -54,33 +54,11 @@ from fpv2.kernel.contracts import (
     num_query_tiles,
 )
 
-from .chunked_state import ChunkedPrefillState
+from .chunked_state import ChunkedPrefillState, suffix_mask
 from .transfer import device_ints
 
 #: The strategy name that keeps every visible block.
 DENSE_STRATEGY = "dense"
-
-
-def chunk_dense_tiles(
-    states: Sequence[ChunkedPrefillState], batch: PagedPrefillBatch, group: int, config: SelectionConfig
-) -> list[torch.Tensor]:
-    """Dense tiles of every request of a chunk batch, by each state's whole-prompt rule.
-
-    Args:
-        states: one state per request, in batch order.
-        batch: the chunk batch.
-        group: GQA group size ``g``.
-        config: selection parameters.
-
-    Returns:
-        One ``(T_b,) bool`` CPU mask per request.
-
-    Raises:
-        ValueError: wrong number of states, or a chunk outside its state's prefill.
-    """
-    counts = chunk_dense_tile_counts(states, batch, group, config)
-    tiles = [num_query_tiles(n, group, config.tile_size) for n in batch.host.q_lens]
-    return [_suffix_mask(t, c) for t, c in zip(tiles, counts)]
 
 
 def chunk_dense_tile_counts(
@@ -106,11 +84,6 @@ def chunk_dense_tile_counts(
         )
     host = batch.host
     return [s.dense_tile_count(p, n, group, config) for s, p, n in zip(states, host.prefix, host.q_lens)]
-
-
-def _suffix_mask(num_tiles: int, count: int) -> torch.Tensor:
-    """``(num_tiles,) bool`` mask of the last ``count`` tiles."""
-    return torch.arange(num_tiles) >= num_tiles - count
 
 
 def _segment_geometry(
@@ -384,6 +357,6 @@ def select_chunk_blocks(
         inputs_validated=inputs_validated,
     )
     if num_dense and tail is None:
-        masks = [_suffix_mask(t, c) for t, c in zip(tiles, counts)]
+        masks = [suffix_mask(t, c) for t, c in zip(tiles, counts)]
         index = densify_segments(index, batch, masks, block_size=config.block_size, **geometry)
     return index, num_dense

@@ -29,6 +29,19 @@ from fpv2.index import SelectionConfig
 from fpv2.kernel.contracts import BLOCK_SIZE, cdiv, num_key_blocks, num_query_tiles
 
 
+def suffix_mask(num_tiles: int, count: int) -> torch.Tensor:
+    """``(num_tiles,) bool`` CPU mask of the last ``count`` tiles (a dense-tile count as a mask).
+
+    Args:
+        num_tiles: tiles of the request's chunk.
+        count: dense last tiles.
+
+    Returns:
+        The mask.
+    """
+    return torch.arange(num_tiles) >= num_tiles - count
+
+
 def _check_int(name: str, value: object, *, minimum: int) -> int:
     """Refuse non-ints (bools included) and values below ``minimum``, naming the argument."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -185,7 +198,7 @@ class ChunkedPrefillState:
         if self.prompt_len is None:
             if prefix + q_len < config.min_sparse_kv_len:
                 return num_tiles
-            return min(max(config.dense_tail_tiles, 0), num_tiles)
+            return min(config.dense_tail_tiles, num_tiles)
         if self.prompt_len < config.min_sparse_kv_len:
             return num_tiles
         prompt_tiles = cdiv((self.prompt_len - self.prefill_start) * group, tile_size)
@@ -215,8 +228,7 @@ class ChunkedPrefillState:
             ValueError: the chunk does not belong to this prefill (see :meth:`check_chunk`).
         """
         count = self.dense_tile_count(prefix, q_len, group, config)
-        num_tiles = num_query_tiles(q_len, group, config.tile_size)
-        return torch.arange(num_tiles) >= num_tiles - count
+        return suffix_mask(num_query_tiles(q_len, group, config.tile_size), count)
 
     # ------------------------------------------------------------------ storage
     def store(
