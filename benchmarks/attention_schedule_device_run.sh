@@ -306,6 +306,11 @@
 # the chunk's blocks; both copy the prefix into tile pages per call), page 128 -10 to -20% (no copy), Triton -25 to
 # -30% (as eager). The eager columns repeat the rows above within the host's spread. If the host-ahead rows agree, the
 # Hopper kernel's per-call default in `chunk_aware_default` rests on a microbenchmark's host-boundness alone.
+# Measured (37th session, one H100, two runs; results/2026-12-06-h100-engine-chunks-host-ahead/): host-ahead per call
+# against chunk-aware uncarried, Hopper page 1 19.75 / 19.72 -> 18.06 / 18.08 ms (-8.4%), page 16 19.07 / 19.17 ->
+# 17.15 / 17.19 (-10.2%), page 128 17.59 / 17.65 -> 14.21 / 14.25 (-19.2%), Triton 33.61 / 33.74 -> 26.80 / 26.69
+# (-20.6%, less than predicted); eager on this host -3.3 / -6.0 / -11.1 / -18.5%. The SGLang adapter's default is
+# now chunk-aware on every backend (fpv2-serving 0.1.14).
 # Prediction for `chunk-host` with PAGES="1 128" MODES="aware uncarried naive" (before it ran): if this is the
 # host (a slower or busier CPU), the plain walls repeat the rows above and the profiles show the same functions as
 # the 35th session's, each slower; if it was that call, aware page 1 returns to about 18.7 ms.

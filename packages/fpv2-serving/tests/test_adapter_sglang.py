@@ -185,7 +185,7 @@ from fpv2.serving.adapters.sglang_metadata import (  # noqa: E402
     chunk_requests_of,
     page_table_from_req_to_token,
 )
-from fpv2.serving.adapters.sglang_options import SGLangBackendOptions, chunk_aware_default  # noqa: E402
+from fpv2.serving.adapters.sglang_options import SGLangBackendOptions  # noqa: E402
 from fpv2.serving.adapters.sglang_plugin import BACKEND_NAME, register, register_sglang_backend  # noqa: E402
 from fpv2.serving.chunked import ChunkedPrefillPipeline  # noqa: E402
 
@@ -846,7 +846,7 @@ def test_chunked_prefill_across_forwards_keeps_the_unchunked_selection(page_size
     length, size = 2048, 512
     sc, wl = planted_chunk_scenario(length, page_size)
     aware = Fpv2AttnBackend(sc.runner)
-    assert aware.options.chunk_aware is None and aware.chunk_aware  # the reference backend: chunk-aware
+    assert aware.options.chunk_aware and aware.chunk_aware  # the default
     seen, pooled = [], []
 
     def hook(lid, meta, result):
@@ -923,9 +923,10 @@ def test_chunk_options_from_environment():
         SGLangBackendOptions.from_env({"FPV2_CHUNK_STATE_MB": "lots"})
     with pytest.raises(ValueError, match="FPV2_CHUNK_STATE_MB='-1'"):
         SGLangBackendOptions.from_env({"FPV2_CHUNK_STATE_MB": "-1"})
-    assert SGLangBackendOptions.from_env({}).chunk_aware is None
-    assert SGLangBackendOptions.from_env({"FPV2_CHUNK_AWARE": "1"}).chunk_aware is True
-    with pytest.raises(TypeError, match="chunk_aware"):
-        SGLangBackendOptions(chunk_aware=1)
-    assert not chunk_aware_default("hopper")
-    assert chunk_aware_default("triton") and chunk_aware_default("reference")
+    # Chunk-aware by default whatever the attention backend (the Hopper kernel's per-call default is gone).
+    assert SGLangBackendOptions.from_env({}).chunk_aware is True
+    assert SGLangBackendOptions.from_env({"FPV2_BACKEND": "hopper"}).chunk_aware is True
+    assert SGLangBackendOptions.from_env({"FPV2_CHUNK_AWARE": "0"}).chunk_aware is False
+    for bad in (1, None):
+        with pytest.raises(TypeError, match="chunk_aware"):
+            SGLangBackendOptions(chunk_aware=bad)

@@ -31,9 +31,7 @@ keyed by SGLang's request id. Each chunk then pools only the key blocks it adds
 and keeps the whole prompt's dense fallbacks (a dense last tile in the prompt's
 last chunk only), so a chunked prompt gets the unchunked call's selection.
 Other forwards run :class:`~fpv2.serving.SparsePrefillPipeline` per call.
-``chunk_aware=False`` (``FPV2_CHUNK_AWARE=0``) runs every forward per call; by
-default the Hopper attention backend does (as measured, see
-:func:`~fpv2.serving.adapters.sglang_options.chunk_aware_default`).
+``chunk_aware=False`` (``FPV2_CHUNK_AWARE=0``) runs every forward per call.
 
 Options (selection parameters, strategy, correction, fpv2 attention backend,
 validation) come from :class:`~fpv2.serving.adapters.sglang_options.SGLangBackendOptions`,
@@ -68,7 +66,7 @@ from ..chunked import ChunkedPrefillPipeline
 from ..pipeline import PrefillResult, SparsePrefillPipeline
 from .sglang_kv_view import paged_cache_view
 from .sglang_metadata import SGLangPrefillMetadata, build_prefill_metadata, chunk_requests_of
-from .sglang_options import SGLangBackendOptions, chunk_aware_default
+from .sglang_options import SGLangBackendOptions
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -100,8 +98,7 @@ class Fpv2AttnBackend(AttentionBackend):
     Attributes:
         options: the options in force.
         result_hook: optional :data:`ResultHook` called after every layer.
-        chunk_aware: whether chunked prefills run chunk-aware (``options.chunk_aware``, or by the
-            attention backend when that is None).
+        chunk_aware: whether chunked prefills run chunk-aware (``options.chunk_aware``).
         chunk_states: the per-request, per-layer states of chunked prefills in flight.
 
     Raises:
@@ -132,8 +129,8 @@ class Fpv2AttnBackend(AttentionBackend):
             budget_bytes=options.chunk_state_mb << 20, block_size=options.selection.block_size
         )
         # Build one pipeline now: an unknown strategy or unavailable backend fails at startup, not mid-request.
-        backend_name = self._pipeline_for(1.0).backend.name
-        self.chunk_aware = chunk_aware_default(backend_name) if options.chunk_aware is None else options.chunk_aware
+        self._pipeline_for(1.0)
+        self.chunk_aware = options.chunk_aware
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

