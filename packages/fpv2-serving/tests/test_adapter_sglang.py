@@ -510,7 +510,7 @@ def test_inconsistent_lengths_are_refused():
 
 
 # ----------------------------------------------------------------------------- forward
-@pytest.mark.parametrize("page_size,hnd", [(1, False), (16, False), (16, True)])
+@pytest.mark.parametrize("page_size,hnd", [(1, False), (16, False), (16, True), (128, False)])
 def test_forward_extend_dense_equals_references_and_writes_kv(page_size, hnd, monkeypatch):
     if hnd:
         monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
