@@ -90,7 +90,7 @@ class SGLangBackendOptions:
             selection. Reads ``ForwardBatch.orig_seq_lens`` (one small
             device-to-host copy per extend forward). Default True on every
             attention backend: measured faster on the Triton and the Hopper
-            kernels (``benchmarks/results/2026-12-06-h100-engine-chunks/``,
+            kernels (``benchmarks/results/2026-12-06-h100-engine-chunks-host-ahead/``,
             ``docs/serving/adapters.rst``).
         chunk_state_mb: MiB of carried states kept for requests absent from a
             forward before the least recently used are dropped.
