@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fpv2.index import SelectionConfig
-from fpv2.index.reference import dense_tile_mask, forced_block_mask, forced_blocks, is_dense_tile, request_tiles
+from fpv2.index.reference import (
+    dense_tile_count,
+    dense_tile_mask,
+    forced_block_mask,
+    forced_blocks,
+    is_dense_tile,
+    request_tiles,
+)
 from fpv2.kernel.contracts import num_key_blocks, num_query_tiles, tile_span
 
 
@@ -46,6 +53,20 @@ def test_dense_fallbacks():
     assert dense_tile_mask(5, 5000, cfg, "cpu").tolist() == [False, False, False, True, True]
     assert dense_tile_mask(5, 999, cfg, "cpu").all()
     assert not dense_tile_mask(5, 5000, SelectionConfig(dense_tail_tiles=0, min_sparse_kv_len=0), "cpu").any()
+
+
+@pytest.mark.parametrize("dense_tail_tiles", [0, 1, 3, 9])
+@pytest.mark.parametrize("kv_len", [0, 999, 1000, 5000])
+@pytest.mark.parametrize("num_tiles", [0, 1, 5, 8])
+def test_dense_tile_count_is_the_per_tile_rule_counted(num_tiles, kv_len, dense_tail_tiles):
+    cfg = SelectionConfig(dense_tail_tiles=dense_tail_tiles, min_sparse_kv_len=1000)
+    per_tile = [is_dense_tile(t, num_tiles, kv_len, cfg) for t in range(num_tiles)]
+    count = dense_tile_count(num_tiles, kv_len, cfg)
+    # Always a suffix: the count says which tiles, not only how many.
+    assert per_tile == [t >= num_tiles - count for t in range(num_tiles)] and 0 <= count <= num_tiles
+    assert dense_tile_mask(num_tiles, kv_len, cfg, "cpu").tolist() == per_tile
+    expected = num_tiles if kv_len < 1000 else min(dense_tail_tiles, num_tiles)
+    assert count == expected
 
 
 @settings(max_examples=40, deadline=None)

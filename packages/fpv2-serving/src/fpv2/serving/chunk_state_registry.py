@@ -129,7 +129,7 @@ class ChunkStateRegistry:
         self.counters = RegistryCounters()
         # request key -> {layer -> state}, least recently used request first.
         self._held: OrderedDict[Hashable, dict[Hashable, ChunkedPrefillState]] = OrderedDict()
-        self._current: dict[Hashable, ChunkRequest] = {}
+        self._current: set[Hashable] = set()  # keys of the current forward's requests
 
     def __len__(self) -> int:
         """States held between forwards (over all requests and layers)."""
@@ -170,11 +170,11 @@ class ChunkStateRegistry:
         Raises:
             ValueError: a key appears twice.
         """
-        current: dict[Hashable, ChunkRequest] = {}
+        current: set[Hashable] = set()
         for request in requests:
             if request.key in current:
                 raise ValueError(f"request key {request.key!r} appears twice in one forward")
-            current[request.key] = request
+            current.add(request.key)
         self._current = current
         for key in current:
             if key in self._held:
@@ -228,7 +228,7 @@ class ChunkStateRegistry:
     def clear(self) -> None:
         """Drop every held state."""
         self._held.clear()
-        self._current = {}
+        self._current = set()
 
     def _evict_idle(self) -> None:
         """Drop idle requests' states, least recently used first, while the held bytes exceed the budget."""
@@ -244,10 +244,11 @@ class ChunkStateRegistry:
 
 
 def _matches(state: ChunkedPrefillState, request: ChunkRequest) -> bool:
-    """Whether a held state can serve the request's chunk (same prompt, chunk inside its prefill)."""
-    if state.prompt_len != request.prompt_len or request.prefix < state.prefill_start:
-        return False
-    return state.prompt_len is None or request.prefix + request.q_len <= state.prompt_len
+    """Whether a held state can serve the request's chunk: the same prompt, a chunk inside its prefill.
+
+    A ``ChunkRequest`` never ends past its own ``prompt_len``, so equal prompt lengths bound the chunk's end.
+    """
+    return state.prompt_len == request.prompt_len and request.prefix >= state.prefill_start
 
 
 def _state_bytes(state: ChunkedPrefillState) -> int:

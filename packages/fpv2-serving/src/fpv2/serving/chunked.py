@@ -30,7 +30,7 @@ import torch
 
 from fpv2.correction import build_correction_plan
 from fpv2.index import SelectionConfig
-from fpv2.index.reference.forced import dense_tile_mask
+from fpv2.index.reference.forced import dense_tile_count
 from fpv2.index.strategies.max_threshold import use_triton_index
 from fpv2.kernel import BlockIndex, BlockStatistics, CorrectionPlan, PagedPrefillBatch, validate_prefill_inputs
 from fpv2.kernel.contracts import num_key_blocks, num_query_tiles
@@ -280,7 +280,7 @@ class ChunkedPrefillPipeline:
             pooled = sum(num_key_blocks(k, self.config.block_size) for k in batch.host.seqlens_k)
             group = q.shape[1] // k_cache.shape[2]
             dense = sum(
-                int(dense_tile_mask(num_query_tiles(n, group, self.config.tile_size), kv, self.config, "cpu").sum())
+                dense_tile_count(num_query_tiles(n, group, self.config.tile_size), kv, self.config)
                 for n, kv in zip(batch.host.q_lens, batch.host.seqlens_k)
             )
             return ChunkResult(result, batch, pooled if result.statistics is not None else 0, dense)

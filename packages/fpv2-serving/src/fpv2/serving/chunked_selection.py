@@ -5,7 +5,7 @@ whole prefill) differs from the unchunked selection in its dense fallbacks
 only: the last ``dense_tail_tiles`` tiles of *every chunk* keep every visible
 block, and a chunk whose KV is below ``min_sparse_kv_len`` keeps everything,
 which raises the density of chunked runs. Here the fallbacks are decided on
-the whole prompt (:meth:`~.chunked_state.ChunkedPrefillState.dense_tile_mask`),
+the whole prompt (:meth:`~.chunked_state.ChunkedPrefillState.dense_tile_count`),
 by composition with any selection strategy: the strategy runs with the chunk's
 ``min_sparse_kv_len`` switched off and, when one ``dense_tail_tiles`` value
 gives every request of the chunk its whole-prompt dense tail (the usual case,

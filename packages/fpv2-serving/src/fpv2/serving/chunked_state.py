@@ -11,7 +11,7 @@ chunk, or the chunked run is slower and denser than the unchunked one:
 - the whole-prompt geometry: ``prompt_len`` (the KV length once the prompt is
   prefilled, cached prefix included) and ``prefill_start`` (the KV position of
   the first query of the whole prefill), so that the dense fallbacks of the
-  index refer to the prompt, not to the chunk (:meth:`ChunkedPrefillState.dense_tile_mask`).
+  index refer to the prompt, not to the chunk (:meth:`ChunkedPrefillState.dense_tile_count`).
 
 Tiles are numbered from ``prefill_start``: packed row ``r`` of the whole
 prefill is query position ``prefill_start + r // g``, exactly as in the
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fpv2.index import SelectionConfig
+from fpv2.index.reference.forced import dense_tile_count
 from fpv2.kernel.contracts import BLOCK_SIZE, cdiv, num_key_blocks, num_query_tiles
 
 
@@ -65,7 +66,7 @@ class ChunkedPrefillState:
         prompt_len: KV length of the request when its whole prompt has been
             prefilled (``seqlens_k`` of the equivalent unchunked call, cached
             prefix included). ``None`` when unknown: the dense fallbacks then
-            fall back to the per-chunk rule (see :meth:`dense_tile_mask`).
+            fall back to the per-chunk rule (see :meth:`dense_tile_count`).
         prefill_start: KV position of the first query of the whole prefill (the
             prefix that was cached before the first chunk); tiles are numbered
             from it. Default 0.
@@ -173,7 +174,7 @@ class ChunkedPrefillState:
         the dense tail is dense too (never fewer dense rows than unchunked).
 
         Without ``prompt_len`` the per-chunk rule of
-        :func:`fpv2.index.reference.forced.dense_tile_mask` applies (the chunk's
+        :func:`fpv2.index.reference.forced.dense_tile_count` applies (the chunk's
         own last tiles, and its current KV length against ``min_sparse_kv_len``):
         any chunk might be the last one.
 
@@ -196,9 +197,7 @@ class ChunkedPrefillState:
         rows = q_len * group
         num_tiles = cdiv(rows, tile_size)
         if self.prompt_len is None:
-            if prefix + q_len < config.min_sparse_kv_len:
-                return num_tiles
-            return min(config.dense_tail_tiles, num_tiles)
+            return dense_tile_count(num_tiles, prefix + q_len, config)
         if self.prompt_len < config.min_sparse_kv_len:
             return num_tiles
         prompt_tiles = cdiv((self.prompt_len - self.prefill_start) * group, tile_size)
@@ -213,19 +212,9 @@ class ChunkedPrefillState:
         return num_tiles - (cdiv(needed, tile_size) - 1)
 
     def dense_tile_mask(self, prefix: int, q_len: int, group: int, config: SelectionConfig) -> torch.Tensor:
-        """``(T,) bool`` tiles of a chunk that keep every visible block (:meth:`dense_tile_count` as a mask).
+        """``(T,) bool`` CPU mask of the tiles of a chunk that keep every visible block.
 
-        Args:
-            prefix: KV tokens before the chunk's first query.
-            q_len: queries of the chunk.
-            group: GQA group size ``g``.
-            config: selection parameters (``tile_size``, ``dense_tail_tiles``, ``min_sparse_kv_len``).
-
-        Returns:
-            The mask, on the CPU.
-
-        Raises:
-            ValueError: the chunk does not belong to this prefill (see :meth:`check_chunk`).
+        :meth:`dense_tile_count` as a mask: same arguments, same errors.
         """
         count = self.dense_tile_count(prefix, q_len, group, config)
         return suffix_mask(num_query_tiles(q_len, group, config.tile_size), count)

@@ -4,7 +4,14 @@ Readable and exact rather than fast; the fused kernels are tested against it.
 """
 
 from .csr import assemble_block_index, leading_blocks_index
-from .forced import dense_tile_mask, forced_block_mask, forced_blocks, is_dense_tile, visible_block_mask
+from .forced import (
+    dense_tile_count,
+    dense_tile_mask,
+    forced_block_mask,
+    forced_blocks,
+    is_dense_tile,
+    visible_block_mask,
+)
 from .inputs import SelectionShapes, check_selection_inputs, check_statistics
 from .scoring import LOG2E, TileEnergies, block_energies, block_energies_online, block_logits, contribution_mask
 from .selection import request_keep_mask, select_blocks, threshold_mask
@@ -23,6 +30,7 @@ __all__ = [
     "check_selection_inputs",
     "check_statistics",
     "contribution_mask",
+    "dense_tile_count",
     "dense_tile_mask",
     "forced_block_mask",
     "forced_blocks",

@@ -53,6 +53,26 @@ def forced_blocks(span: TileSpan, config: SelectionConfig) -> list[int]:
     return sorted(j for j in forced if j <= limit)
 
 
+def dense_tile_count(num_tiles: int, kv_len: int, config: SelectionConfig) -> int:
+    """How many last tiles of a request keep every visible block (the dense fallbacks, as a count).
+
+    The dense tiles are always a request's last ones: its last ``dense_tail_tiles`` tiles, or all of
+    them for a request shorter than ``min_sparse_kv_len``. Plain integers, for host code that runs per
+    call (:func:`is_dense_tile` and :func:`dense_tile_mask` state the same rule per tile).
+
+    Args:
+        num_tiles: tiles of the request (per KV head).
+        kv_len: ``seqlens_k`` of the request, prefix included.
+        config: selection parameters.
+
+    Returns:
+        ``n`` in ``[0, num_tiles]``: tiles ``num_tiles - n ..`` are dense.
+    """
+    if kv_len < config.min_sparse_kv_len:
+        return num_tiles
+    return min(config.dense_tail_tiles, num_tiles)
+
+
 def is_dense_tile(tile: int, num_tiles: int, kv_len: int, config: SelectionConfig) -> bool:
     """Whether tile ``tile`` of a request keeps every visible block (dense fallback).
 
@@ -65,7 +85,7 @@ def is_dense_tile(tile: int, num_tiles: int, kv_len: int, config: SelectionConfi
     Returns:
         True for the last ``dense_tail_tiles`` tiles and for requests shorter than ``min_sparse_kv_len``.
     """
-    return kv_len < config.min_sparse_kv_len or tile >= num_tiles - config.dense_tail_tiles
+    return tile >= num_tiles - dense_tile_count(num_tiles, kv_len, config)
 
 
 def visible_block_mask(tiles: RequestTiles, num_blocks: int) -> torch.Tensor:
@@ -118,5 +138,4 @@ def dense_tile_mask(num_tiles: int, kv_len: int, config: SelectionConfig, device
     Returns:
         The dense-tile mask.
     """
-    tiles = torch.arange(num_tiles, device=device)
-    return (tiles >= num_tiles - config.dense_tail_tiles) | (kv_len < config.min_sparse_kv_len)
+    return torch.arange(num_tiles, device=device) >= num_tiles - dense_tile_count(num_tiles, kv_len, config)

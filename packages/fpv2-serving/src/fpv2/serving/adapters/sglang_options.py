@@ -26,10 +26,9 @@ Variable                    Meaning                                    Default
                             ``hopper``, ``triton``, ``reference``)
 ``FPV2_VALIDATE``           check each forward's metadata on the host  ``1``
                             (one device synchronisation per forward)
-``FPV2_CHUNK_AWARE``        carry each request's pooled blocks and     auto: on unless
-                            whole-prompt dense rule across the chunks  the attention
-                            of a chunked prefill                       backend is
-                                                                       ``hopper``
+``FPV2_CHUNK_AWARE``        carry each request's pooled blocks and     ``1``
+                            whole-prompt dense rule across the chunks
+                            of a chunked prefill
 ``FPV2_CHUNK_STATE_MB``     memory for carried states of requests      ``2048``
                             absent from a forward (least recently
                             used dropped first)
