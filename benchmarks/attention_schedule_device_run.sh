@@ -52,7 +52,9 @@
 #                                                      and 128 on the Hopper backend and page 1 on Triton: the
 #                                                      per-chunk pipeline (what the adapters ran) against the
 #                                                      chunk-aware one without carried tile pages (what the SGLang
-#                                                      adapter runs since the 36th session)
+#                                                      adapter runs since the 36th session); CHUNKS (chunk sizes,
+#                                                      one process a setting) [8192] and SETTINGS (backend:page
+#                                                      pairs) [hopper:1 hopper:16 hopper:128 triton:1]
 #   benchmarks/attention_schedule_device_run.sh no-tail  --env-sets the default against the decoded order with
 #                                                      SelectionConfig.dense_tail_tiles=0 (no tile keeps its whole
 #                                                      span: a chunk-aware pipeline's middle chunks)
@@ -311,6 +313,14 @@
 # 17.15 / 17.19 (-10.2%), page 128 17.59 / 17.65 -> 14.21 / 14.25 (-19.2%), Triton 33.61 / 33.74 -> 26.80 / 26.69
 # (-20.6%, less than predicted); eager on this host -3.3 / -6.0 / -11.1 / -18.5%. The SGLang adapter's default is
 # now chunk-aware on every backend (fpv2-serving 0.1.14).
+# Prediction for `engine-chunks` with CHUNKS="4096 16384" SETTINGS="hopper:1 hopper:128" (38th session, before it
+# ran; host-ahead GPU time of the 128K prefill, against the 8K rows above: page 1 per call 19.75, uncarried 18.06;
+# page 128 17.59 / 14.21): the uncarried chunk copies its whole KV into tile pages once a chunk, about L^2 / (2 C)
+# tokens in all (about 3 ms at 8K), so at page 1 it moves by about -1.5 ms at 16K (16.3-17.0) and +3 ms at 4K
+# (20.5-22.0); the per-call rows also copy per chunk and add a dense tail and the prefix's pooling per chunk:
+# 16K 17.0-18.5, 4K 23-27, so the chunk-aware gain widens at 4K (-12 to -20%) and narrows at 16K (-3 to -8%). Page 128
+# (no copy): uncarried 13.6-14.4 at 16K and 14.4-15.8 at 4K (more launches, smaller grids); per call 16.0-17.0 at 16K
+# and 20-23 at 4K.
 # Prediction for `chunk-host` with PAGES="1 128" MODES="aware uncarried naive" (before it ran): if this is the
 # host (a slower or busier CPU), the plain walls repeat the rows above and the profiles show the same functions as
 # the 35th session's, each slower; if it was that call, aware page 1 returns to about 18.7 ms.
@@ -483,9 +493,10 @@ if [ "$PART" = chunked ]; then
 fi
 
 if [ "$PART" = engine-chunks ]; then
-  for setting in hopper:1 hopper:16 hopper:128 triton:1; do
+  for setting in ${SETTINGS:-hopper:1 hopper:16 hopper:128 triton:1}; do
     backend="${setting%%:*}" page="${setting##*:}"
-    with_packages timeout 240 python3 benchmarks/chunked_prefill.py --chunks 8192 --backend "$backend" \
+    # shellcheck disable=SC2086  # CHUNKS is a list of sizes
+    with_packages timeout 240 python3 benchmarks/chunked_prefill.py --chunks ${CHUNKS:-8192} --backend "$backend" \
       --page-size "$page" --uncarried --no-chunked-dense --no-error --host-ahead --repeats 5 --warmup 2 \
       --out "$RESULTS/engine-chunks-$backend-p$page" > "$LOGS/engine-chunks-$backend-p$page.log" 2>&1
     echo "engine chunks ($backend, page $page): rc=$?"
