@@ -325,7 +325,7 @@
 # chunks shrink), the sizes missed: page 1 uncarried 15.09 / 15.12 at 16K and 23.66 / 23.72 at 4K, per call 14.96 /
 # 14.98 and 34.70 / 34.87 (4K: 159 dense tiles and 16,896 pooled blocks per call), so -31.9% at 4K and +0.9% at 16K;
 # page 16 +0.6% at 16K, -34.2% at 4K; page 128 uncarried 13.01 / 12.95 and 16.67 / 16.66, per call 13.87 / 13.77 and
-# 31.04 / 31.12 (-6.1%, -46.4%); Triton 16K -4.9% (4K: no host-ahead time, the host outran the spin; eager -37.1%).
+# 31.04 / 31.12 (-6.1%, -46.4%); Triton 16K -4.9% (4K: eager -37.1%; never got ahead).
 # The 8K control repeated the 37th session's rows within 1.6%.
 # Prediction for `chunk-host` with PAGES="1 128" MODES="aware uncarried naive" (before it ran): if this is the
 # host (a slower or busier CPU), the plain walls repeat the rows above and the profiles show the same functions as
