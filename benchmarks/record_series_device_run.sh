@@ -34,6 +34,9 @@
 #   -5.5 to -6.0% of the attention at 128K and -1.6% at 4 x 128K on H100 rows): 128K host-ahead 12.6-12.8 ms (the
 #   32nd session's H200 13.27-13.30 less ~0.65), 4 x 128K 53.0-54.3 (53.9-55.1 less ~0.8). 128K meets 13;
 #   4 x 128K stays above 50.
+#   Measured (38th session, an H200, RUNS=1 twice; results/2026-12-06-h200-record-rows-default-schedule/): 128K
+#   12.875 / 12.797 ms host-ahead (attention 11.109 / 11.053 against 11.54-11.56 before, -3.9%), 4 x 128K 54.186 /
+#   54.635 (unchanged). 128K meets 13 on the host-ahead time (eager 13.52-13.57); 4 x 128K stays above 50.
 # - scoring-candidate with score-empty-barriers.patch: the step's __syncthreads held 10.2% of the
 #   scoring kernel's stall samples (lines profile, before the keys by TMA). Without it a warp waits only for its
 #   keys (full barrier), and thread 0 before a refill only for every warp's previous product, not its reduction;
