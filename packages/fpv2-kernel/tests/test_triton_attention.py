@@ -483,6 +483,29 @@ def test_correction_is_exact_on_blockwise_constant_keys(paged_case, oracle, hand
     assert (dropped.double().cpu() - want).abs().max().item() > 0.05, "nothing was pruned"
 
 
+def test_correction_weighs_pooled_columns_by_the_statistics_block_lengths(paged_case, hand_index, device):
+    """Each pooled column counts ``block_lengths[J]`` tokens, as the statistics say, not the block size.
+
+    The geometry makes every eligible block a full one, so lengths from 1 to the block size
+    are written over them here (the contract allows any): the kernel must apply each.
+    """
+    case = paged_case(
+        SEQLENS_Q, SEQLENS_K, num_q_heads=8, num_kv_heads=2, page_size=16, dtype=torch.float16, device=device, seed=4
+    )
+    index, _ = hand_index(case.batch, num_kv_heads=2, group=4, tile_size=BLOCK_M, block_size=64, keep=random_keep(9))
+    stats = pool_blocks(case.k_cache, case.v_cache, case.batch, block_size=64)
+    generator = torch.Generator().manual_seed(4)
+    lengths = torch.randint(1, 65, stats.block_lengths.shape, generator=generator, dtype=torch.int32)
+    reweighted = dataclasses.replace(stats, block_lengths=lengths.to(stats.block_lengths.device))
+    got = sparse_attention_triton(
+        case.q, case.k_cache, case.v_cache, case.batch, index, plan=CorrectionPlan(reweighted), out=poisoned(case)
+    )
+    want = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=CorrectionPlan(reweighted))
+    assert (got.double().cpu() - want.double().cpu()).abs().max().item() < 2e-3
+    full = sparse_attention(case.q, case.k_cache, case.v_cache, case.batch, index, plan=CorrectionPlan(stats))
+    assert (want.double() - full.double()).abs().max().item() > 0.02, "the lengths change nothing: it cannot fail"
+
+
 def test_rows_without_visible_keys_are_zero_with_minus_inf_lse(
     paged_case, oracle, hand_index, index_token_masks, device
 ):
