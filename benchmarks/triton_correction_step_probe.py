@@ -36,7 +36,9 @@ from fpv2.serving.pipeline import SparsePrefillPipeline
 SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 
 #: name -> (pooled vectors per correction step, correction pipelining depth, environment switches);
-#: None for the step or depth keeps the tuning table's value. "sparse" is the uncorrected baseline.
+#: None for the step or depth keeps the tuning table's value. "sparse" is the uncorrected baseline. Kernel
+#: changes are A/B'd by adding their temporary switch here (the 39th session's ``log2_bias`` and ``early_v``,
+#: results/2026-12-06-h100-triton-correction-step/).
 VARIANTS: dict[str, tuple[int | None, int | None, dict[str, str]]] = {
     "table": (None, None, {}),
     "stages2": (None, 2, {}),
@@ -44,8 +46,6 @@ VARIANTS: dict[str, tuple[int | None, int | None, dict[str, str]]] = {
     "step128": (128, 1, {}),
     "step128_stages2": (128, 2, {}),
     "step32_stages2": (32, 2, {}),
-    "log2_bias": (None, None, {"FPV2_TRITON_CORR_LOG2_BIAS": "1"}),
-    "log2_bias_stages2": (None, 2, {"FPV2_TRITON_CORR_LOG2_BIAS": "1"}),
 }
 SWITCHES = sorted({name for _, _, env in VARIANTS.values() for name in env})
 

@@ -22,7 +22,6 @@ todo words get them from a small device kernel (:mod:`.todo_words`).
 from __future__ import annotations
 
 import math
-import os
 import weakref
 
 import torch
@@ -273,7 +272,6 @@ def sparse_attention_triton(
         WRITE_LSE=return_lse,
         PIPE_STAGES=config.num_stages,
         CORR_STAGES=config.correction_stages,
-        CORR_LOG2_BIAS=os.environ.get("FPV2_TRITON_CORR_LOG2_BIAS") == "1",
         REVERSE=config.reverse_grid,
         ORDERED=ordered,
         num_warps=config.num_warps,

@@ -174,14 +174,14 @@ def _correct_chunk(
     CORR_KIND: tl.constexpr,
     FP8: tl.constexpr,
     SECOND_ORDER: tl.constexpr,
-    LOG2_BIAS: tl.constexpr,
 ):
     """One online-softmax step over a chunk of pooled blocks (statistics rows ``stat``).
 
     Column ``J`` stands for the ``|B_J|`` pruned tokens of its block: logit
-    ``q . kbar_J * scale + log2 |B_J|`` (log2 units) and value ``vbar_J * v_units``;
-    columns that are not todo get ``-inf``. Loads depend on ``eligible`` only (a
-    function of the step number), not on the todo bits, so the loop software-pipelines.
+    ``q . kbar_J * scale + log2 |B_J|`` (log2 units; applied as the weight ``|B_J|`` on the
+    column's probabilities) and value ``vbar_J * v_units``; columns that are not todo get
+    ``-inf``. Loads depend on ``eligible`` only (a function of the step number), not on the
+    todo bits, so the loop software-pipelines.
     With ``SECOND_ORDER`` the logit also gains ``min(shift_a_r * var_J, shift_b_r * rad_J)``
     (log2 units; the row factors come from ``|q_r|``, see the kernel's phase 3).
 
@@ -196,17 +196,12 @@ def _correct_chunk(
         s = tl.dot(q_c, tl.trans(kbar), input_precision="ieee")
     else:
         s = tl.dot(q_c, tl.trans(kbar))
-    if LOG2_BIAS:
-        # Per-column bias: log2 |B_J| on todo columns, -inf elsewhere (s is finite, so one FMA).
-        log2_len = tl.log2(tl.load(block_lengths + stat, mask=eligible, other=1).to(tl.float32))
-        s = s * corr_scale + tl.where(todo, log2_len, float("-inf"))[None, :]
-    else:
-        # |B_J| weighs the column's probabilities instead, 2^(s + log2 |B_J|) = |B_J| 2^s: a product where
-        # the bias took an accurate log2 (a libdevice call per column and step, on the step's critical path).
-        # The row maximum is then taken without log2 |B_J|, so probabilities reach |B_J| <= block size at
-        # most: exact in fp32 and in the bf16 / fp16 operands of the PV product.
-        weight = tl.load(block_lengths + stat, mask=eligible, other=0).to(tl.float32)
-        s = s * corr_scale + tl.where(todo, 0.0, float("-inf"))[None, :]
+    # |B_J| weighs the column's probabilities, 2^(s + log2 |B_J|) = |B_J| 2^s: one product a column where an
+    # additive bias needed an accurate log2 (libdevice, ~30 instructions and a branch a column, on the step's
+    # critical path: the corrected kernel 10% slower at 128K). The row maximum is taken without log2 |B_J|, so
+    # probabilities reach |B_J| <= block size: exact in fp32 and in the bf16 / fp16 operands of the PV product.
+    weight = tl.load(block_lengths + stat, mask=eligible, other=0).to(tl.float32)
+    s = s * corr_scale + tl.where(todo, 0.0, float("-inf"))[None, :]
     if SECOND_ORDER:
         var = tl.load(variance_head + stat * stride_sb, mask=eligible, other=0.0)
         rad = tl.load(radius_head + stat * stride_sb, mask=eligible, other=0.0)
@@ -215,9 +210,7 @@ def _correct_chunk(
     # A chunk may hold no todo column, and a row may have seen no key: no inf - inf.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - (m_use - P_SHIFT)[:, None])
-    if not LOG2_BIAS:
-        p = p * weight[None, :]
+    p = tl.exp2(s - (m_use - P_SHIFT)[:, None]) * weight[None, :]
     l_i = l_i * alpha + tl.sum(p, 1)
     vbar = tl.load(pooled_v_head + offs, mask=eligible[:, None], other=0.0)
     if FP8:
@@ -314,7 +307,6 @@ def sparse_prefill_kernel(
     WRITE_LSE: tl.constexpr,
     PIPE_STAGES: tl.constexpr,
     CORR_STAGES: tl.constexpr,
-    CORR_LOG2_BIAS: tl.constexpr,
     REVERSE: tl.constexpr,
     ORDERED: tl.constexpr,
 ):
@@ -466,7 +458,6 @@ def sparse_prefill_kernel(
                     q_c, PooledK + h * stride_ph, PooledV + h * stride_ph, (boff + blk_c).to(tl.int64), stride_pb,
                     BlockLengths, eligible, todo, m_i, l_i, acc, corr_scale, v_units, shift_a, shift_b,
                     KeyVariance + h, KeyRadius + h, stride_sb, HEAD_DIM, P_SHIFT, CORR_KIND, FP8, SECOND_ORDER,
-                    CORR_LOG2_BIAS,
                 )  # fmt: skip
 
     # ---- epilogue: normalise, write the rows of this tile (rows that saw nothing get 0 / -inf)

@@ -38,6 +38,12 @@ workload, attention kernel alone, CUDA-event medians; files under
   order), ``(32, 4, 3)`` 341-373. Before: 396.5 (363 in the first device run).
   e4m3: ``(64, 4, 3)`` 261 TFLOP/s, ``(128, 8, 3)`` 244.
 
+Re-measured on an H100 on 2026-12-06, after the correction step lost its per-column
+``log2`` (``benchmarks/results/2026-12-06-h100-triton-correction-step/``, kernel alone,
+one process): against the table's step of 64 unpipelined, a pipelined correction loop
+is +1.5% (128K) / +1.4% (32K), steps of 128 +7.4% / +5.1%, steps of 32 pipelined
++5.2% / +2.3%; the table stands.
+
 Chosen without timing (ptxas resource usage only): the 64- and 256-dim rows (no
 register spills with the correction compiled in; at ``d = 64`` a pipelined
 correction loop spills, so it is not pipelined).
