@@ -609,6 +609,21 @@ def test_bad_arguments_are_refused(paged_case, hand_index, device):
         sparse_attention_triton(q.float(), k, v, batch)
 
 
+def test_fp16_correction_with_huge_blocks_is_refused(paged_case, hand_index, device):
+    """fp16 PV operands hold the pooled probabilities, which reach the block length: past 32768 it is refused."""
+    case = paged_case(SEQLENS_Q, SEQLENS_K, num_q_heads=2, num_kv_heads=2, dtype=torch.float16, device=device, seed=1)
+    for block_size, refused in ((32768, False), (65536, True)):
+        index, _ = hand_index(case.batch, num_kv_heads=2, group=1, tile_size=BLOCK_M, block_size=block_size,
+                              keep=random_keep(1))  # fmt: skip
+        plan = CorrectionPlan(pool_blocks(case.k_cache, case.v_cache, case.batch, block_size=block_size))
+        if refused:
+            with pytest.raises(ValueError, match="fp16 inputs with a correction plan need block_size <= 32768"):
+                sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan)
+        else:
+            got = sparse_attention_triton(case.q, case.k_cache, case.v_cache, case.batch, index, plan=plan)
+            assert torch.isfinite(got).all()
+
+
 def test_block_index_with_tiny_blocks_is_refused(paged_case, hand_index, device):
     case = paged_case([40], [100], num_q_heads=2, num_kv_heads=2, page_size=16, dtype=torch.float16, device=device)
     index, _ = hand_index(case.batch, num_kv_heads=2, group=1, tile_size=BLOCK_M, block_size=8)

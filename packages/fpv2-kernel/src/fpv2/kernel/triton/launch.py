@@ -60,6 +60,8 @@ BLOCK_M = TILE_SIZE
 LOG2E = 1.4426950408889634
 #: FP8 probabilities are ``2^(s - m + P_SHIFT_FP8)``: [0, 1] mapped onto [0, 256] before the e4m3 cast.
 P_SHIFT_FP8 = 8.0
+#: Largest block size of a correction plan for fp16 inputs: pooled probabilities reach the block length.
+MAX_FP16_CORRECTION_BLOCK = 32768
 
 
 def is_interpreted() -> bool:
@@ -128,8 +130,9 @@ def sparse_attention_triton(
     Raises:
         TypeError: wrong argument types or dtypes.
         ValueError: inconsistent shapes or devices, an index or plan built for another
-            batch, group, tile size or block size, a plan without an index, or CPU
-            tensors without the Triton interpreter.
+            batch, group, tile size or block size, a plan without an index, a plan with
+            blocks of more than 32768 tokens for fp16 inputs, or CPU tensors without the
+            Triton interpreter.
     """
     shapes = validate_prefill_inputs(
         q, k_cache, v_cache, batch, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale
@@ -378,6 +381,13 @@ def _check_plan(
         raise ValueError(f"plan statistics must be on {device} like q; pooled_k has {describe(stats.pooled_k)}")
     if stats.block_size != index.block_size:
         raise ValueError(f"plan statistics use block_size={stats.block_size}, the index block_size={index.block_size}")
+    if shapes.dtype == torch.float16 and stats.block_size > MAX_FP16_CORRECTION_BLOCK:
+        # The correction weighs each pooled column's probabilities by its block length, and fp16 inputs take
+        # those probabilities into the PV product as fp16: lengths past 32768 could overflow it.
+        raise ValueError(
+            f"fp16 inputs with a correction plan need block_size <= {MAX_FP16_CORRECTION_BLOCK}; got "
+            f"{stats.block_size} (use bf16 inputs or smaller blocks)"
+        )
     expected = (shapes.num_kv_heads, shapes.head_dim)
     if tuple(stats.pooled_k.shape[1:]) != expected:
         raise ValueError(
