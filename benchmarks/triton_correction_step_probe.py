@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from collections.abc import Callable
 
 import torch
+from attention_switch_probe import apply_env, timed  # this folder, first on sys.path when run as a script
 
 from fpv2.index import SelectionConfig
 from fpv2.kernel import CorrectionPlan
@@ -48,26 +48,6 @@ VARIANTS: dict[str, tuple[int | None, int | None, dict[str, str]]] = {
     "step32_stages2": (32, 2, {}),
 }
 SWITCHES = sorted({name for _, _, env in VARIANTS.values() for name in env})
-
-
-def timed(launch: Callable[[], object], calls: int) -> float:
-    """Milliseconds per launch of ``calls`` launches issued back to back between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def set_switches(env: dict[str, str]) -> None:
-    """Set the variant's switches and unset the others."""
-    for name in SWITCHES:
-        if name in env:
-            os.environ[name] = env[name]
-        else:
-            os.environ.pop(name, None)
 
 
 def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,16 +85,16 @@ def probe_length(seqlen: int, batch: int, args: argparse.Namespace, wanted: list
     launches = {name: call(name) for name in names}
     outputs = {}
     for name in names:  # compiles each variant, and keeps its output for the comparison
-        set_switches(VARIANTS.get(name, (None, None, {}))[2])
+        apply_env(VARIANTS.get(name, (None, None, {}))[2], SWITCHES)
         outputs[name] = launches[name]().clone()
     torch.cuda.synchronize()
     dense = sparse_attention_triton(wl.q, wl.k_cache, wl.v_cache, wl.batch) if args.dense_error else None
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_number in range(args.rounds):
         for name in names if round_number % 2 == 0 else reversed(names):
-            set_switches(VARIANTS.get(name, (None, None, {}))[2])
+            apply_env(VARIANTS.get(name, (None, None, {}))[2], SWITCHES)
             times[name].append(timed(launches[name], args.calls))
-    set_switches({})
+    apply_env({}, SWITCHES)
     median = {name: statistics.median(t) for name, t in times.items()}
     return {
         "seqlen": seqlen,
